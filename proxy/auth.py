@@ -1,0 +1,64 @@
+"""API keys and tenants: keys are random, shown once, and stored only as a SHA-256 digest."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from proxy import tables as t
+from proxy.ids import new_id
+from proxy.store import ensure_tenant
+
+KEY_PREFIX = "atdp-"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a tenant, through one key (None in open mode), maybe an operator."""
+
+    tenant: str
+    key_id: str | None
+    is_admin: bool = False
+
+    @property
+    def actor(self) -> str:
+        return self.key_id or f"open:{self.tenant}"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(s: Session, tenant: str, *, admin: bool = False, name: str | None = None) -> tuple[str, str]:
+    """Create a key for `tenant`; returns (key id, the key). The key itself is not stored."""
+    ensure_tenant(s, tenant)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    key_id = new_id()
+    s.add(t.ApiKey(id=key_id, tenant_id=tenant, key_hash=hash_key(key), prefix=key[:12], is_admin=admin, name=name))
+    s.add(t.AuditEvent(actor="cli", tenant_id=tenant, action="key.create", target=key_id,
+                       details={"admin": admin, "prefix": key[:12]}))
+    return key_id, key
+
+
+def lookup_key(s: Session, key: str) -> Principal | None:
+    row = s.execute(
+        select(t.ApiKey).where(t.ApiKey.key_hash == hash_key(key), t.ApiKey.revoked_at.is_(None))
+    ).scalar_one_or_none()
+    if row is None:
+        return None
+    return Principal(tenant=row.tenant_id, key_id=row.id, is_admin=row.is_admin)
+
+
+def key_from_headers(headers) -> str | None:
+    """`Authorization: Bearer KEY` (OpenAI, newer Anthropic SDKs) or `x-api-key: KEY` (Anthropic)."""
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = headers.get("x-api-key")
+    return key.strip() if key else None

@@ -1,0 +1,103 @@
+"""The `atdp` command line. Each subcommand imports what it needs, so `atdp --help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _settings():
+    from proxy.config import load_settings
+
+    return load_settings()
+
+
+def _url(settings) -> str:
+    from proxy.db import database_url
+
+    return database_url(settings)
+
+
+def cmd_db(args) -> int:
+    from proxy import db
+
+    url = _url(_settings())
+    if args.action == "upgrade":
+        db.upgrade(url, args.revision or "head")
+        print(f"database at {db.current(url)}")
+    elif args.action == "downgrade":
+        if not args.revision:
+            print("atdp db downgrade needs a revision (e.g. base)", file=sys.stderr)
+            return 2
+        db.downgrade(url, args.revision)
+        print(f"database at {db.current(url)}")
+    else:
+        print(db.current(url) or "empty (no migration applied)")
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from proxy import db
+    from proxy.auth import create_key
+
+    url = _url(_settings())
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        with db.transaction(db.session_factory(engine)) as s:
+            key_id, key = create_key(s, args.tenant, admin=args.admin, name=args.name)
+    finally:
+        engine.dispose()
+    print(key)
+    print(f"key id {key_id} for tenant {args.tenant}{' (admin)' if args.admin else ''}; "
+          "the key is shown once and stored hashed", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atdp", description="Agent Trajectory Data Protocol: proxy, store and trainer.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("db", help="database migrations")
+    d.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    d.add_argument("revision", nargs="?")
+    d.set_defaults(func=cmd_db)
+
+    k = sub.add_parser("keys", help="API keys")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    kc = ksub.add_parser("create", help="print a new API key (stored hashed)")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--admin", action="store_true", help="an operator key (control routes, all tenants)")
+    kc.add_argument("--name")
+    kc.set_defaults(func=cmd_keys)
+
+    _register_more(sub)
+    return p
+
+
+def _register_more(sub) -> None:
+    """Subcommands that live in their own modules register here."""
+    import importlib
+
+    for name in ("proxy.serve", "proxy.export", "proxy.replay", "proxy.governance_cli", "trainer.main", "proxy.demo"):
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        mod.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

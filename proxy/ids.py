@@ -1,0 +1,35 @@
+"""Time-sortable ids (UUIDv7, RFC 9562): ordering by id is ordering by creation time."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+_lock = threading.Lock()
+_last_ms = 0
+_seq = 0
+
+
+def uuid7() -> uuid.UUID:
+    """A UUIDv7; monotonic within this process (a 12-bit counter breaks ties inside one millisecond)."""
+    global _last_ms, _seq
+    with _lock:
+        ms = time.time_ns() // 1_000_000
+        if ms <= _last_ms:
+            _seq += 1
+            if _seq > 0xFFF:  # counter exhausted: borrow the next millisecond
+                _last_ms += 1
+                _seq = 0
+            ms = _last_ms
+        else:
+            _last_ms, _seq = ms, 0
+        seq = _seq
+    rand = int.from_bytes(os.urandom(8), "big") & ((1 << 62) - 1)
+    value = (ms << 80) | (0x7 << 76) | (seq << 64) | (0b10 << 62) | rand
+    return uuid.UUID(int=value)
+
+
+def new_id() -> str:
+    return str(uuid7())

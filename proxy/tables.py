@@ -1,0 +1,277 @@
+"""The store: SQLAlchemy 2 tables that hold ATDP records in PostgreSQL.
+
+Design notes (see docs/architecture.md):
+- Ids are UUIDv7 (time-sortable) except where the client names the thing (a session's public id).
+- Content (messages, system prompts, tool schemas, outputs) is stored once per tenant in `contents`,
+  keyed by a keyed hash of the raw content; the body stored is the redacted one.
+- Token ids are `integer[]`; prompt ids keep only the suffix after the parent step's prompt+output.
+- Per-token weight versions are run-length encoded JSON: [[version_id, count], ...].
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    REAL,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSONB, list[Any]: JSONB, datetime: DateTime(timezone=True)}
+
+
+NOW = text("now()")
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    # The governance policy (proxy.governance.TenantPolicy as a dict); {} = the defaults.
+    policy: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    policy_updated_at: Mapped[datetime | None]
+    deleted_at: Mapped[datetime | None]
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the key
+    prefix: Mapped[str] = mapped_column(String(16))  # first characters, to recognise a key in listings
+    is_admin: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    name: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    revoked_at: Mapped[datetime | None]
+
+
+class Content(Base):
+    __tablename__ = "contents"
+    tenant_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # message | system | tools | output | text
+    body: Mapped[Any] = mapped_column(JSONB)  # redacted
+    size: Mapped[int] = mapped_column(Integer)  # bytes of the raw canonical JSON
+    redaction: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))  # entity -> count
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+
+
+class Session(Base):
+    __tablename__ = "sessions"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(128))
+    external_id: Mapped[str] = mapped_column(String(256))  # the public id (client's, or = id)
+    client: Mapped[str | None] = mapped_column(String(64))
+    client_info: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    task_id: Mapped[str | None] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16), server_default="open")
+    labels: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    started_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    last_step_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime | None]
+    replay_of: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"))
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "external_id", name="uq_sessions_tenant_external"),
+        Index("ix_sessions_tenant_started", "tenant_id", "started_at"),
+        Index("ix_sessions_task", "tenant_id", "task_id"),
+    )
+
+
+class Step(Base):
+    __tablename__ = "steps"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(String(128))
+    seq: Mapped[int] = mapped_column(Integer)
+    parent_step_id: Mapped[str | None] = mapped_column(String(36))
+    api: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # ok | error | aborted
+    error: Mapped[dict[str, Any] | None]
+    upstream: Mapped[str | None] = mapped_column(String(512))
+    model: Mapped[str | None] = mapped_column(String(256))
+    model_version: Mapped[str | None] = mapped_column(String(64))  # version of the first output token
+    # Observation: references into `contents`.
+    system_hash: Mapped[str | None] = mapped_column(String(64))
+    tools_hash: Mapped[str | None] = mapped_column(String(64))
+    history_len: Mapped[int] = mapped_column(Integer, server_default="0")
+    message_hashes: Mapped[list[str]] = mapped_column(ARRAY(String(64)), server_default="{}")
+    params: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    # Rolling hash of (input messages + output), to link a later call that continues this one.
+    transcript_hash: Mapped[str | None] = mapped_column(String(64))
+    # Action.
+    output_hash: Mapped[str | None] = mapped_column(String(64))
+    # Tokens.
+    token_source: Mapped[str] = mapped_column(String(16))  # engine | rederived | dropped | none
+    prompt_prefix_len: Mapped[int] = mapped_column(Integer, server_default="0")
+    prompt_token_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer), server_default="{}")  # suffix
+    output_token_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer), server_default="{}")
+    output_logprobs: Mapped[list[float]] = mapped_column(ARRAY(REAL), server_default="{}")
+    output_versions: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))  # RLE
+    output_mask: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    # Timings, usage.
+    started_at: Mapped[datetime]
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    total_ms: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
+    completion_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
+    cost: Mapped[float | None] = mapped_column(Float)
+    # Governance.
+    redaction: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    eligibility: Mapped[str] = mapped_column(String(16))
+    eligibility_reason: Mapped[str] = mapped_column(Text, server_default="")
+    visibility: Mapped[str] = mapped_column(String(16), server_default="tenant")
+    retention_until: Mapped[datetime | None]
+    # Training bookkeeping.
+    trained_version_id: Mapped[str | None] = mapped_column(String(36))
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[datetime | None]
+    skipped_reason: Mapped[str | None] = mapped_column(Text)  # e.g. "stale: 5 versions behind"
+    replay_of: Mapped[str | None] = mapped_column(String(36))
+    written_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    __table_args__ = (
+        UniqueConstraint("session_id", "seq", name="uq_steps_session_seq"),
+        Index("ix_steps_tenant_started", "tenant_id", "started_at"),
+        Index("ix_steps_model_version", "model_version"),
+        Index("ix_steps_transcript", "tenant_id", "transcript_hash"),
+        # The trainer's work queue: eligible, not yet trained steps.
+        Index(
+            "ix_steps_trainable",
+            "started_at",
+            postgresql_where=text("eligibility = 'eligible' AND trained_version_id IS NULL"),
+        ),
+        Index("ix_steps_retention", "retention_until", postgresql_where=text("retention_until IS NOT NULL")),
+    )
+
+
+class ToolCall(Base):
+    """A tool call the model emitted, and (later) the result the agent sent back for it."""
+
+    __tablename__ = "tool_calls"
+    step_id: Mapped[str] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"), primary_key=True)
+    call_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(36), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str] = mapped_column(String(256))
+    arguments: Mapped[Any | None] = mapped_column(JSONB)  # redacted
+    result_step_id: Mapped[str | None] = mapped_column(String(36))
+    result_hash: Mapped[str | None] = mapped_column(String(64))
+    is_error: Mapped[bool | None] = mapped_column(Boolean)
+    __table_args__ = (Index("ix_tool_calls_name", "tenant_id", "name"),)
+
+
+class Feedback(Base):
+    __tablename__ = "feedback"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
+    step_id: Mapped[str | None] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[str] = mapped_column(String(128))
+    reward: Mapped[float | None] = mapped_column(Float)
+    comment: Mapped[str | None] = mapped_column(Text)  # redacted
+    correction: Mapped[str | None] = mapped_column(Text)  # redacted
+    source: Mapped[str] = mapped_column(String(32))
+    posted_by: Mapped[str | None] = mapped_column(String(36))
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    body_hash: Mapped[str | None] = mapped_column(String(64))
+    late: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    redaction: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "session_id", "idempotency_key", name="uq_feedback_idempotency"),
+    )
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    checkpoint: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    training_run_id: Mapped[str | None] = mapped_column(String(36))
+    metrics: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    served_at: Mapped[datetime | None]
+    retired_at: Mapped[datetime | None]
+
+
+class VersionLineage(Base):
+    """Which steps trained which version (the version's data provenance)."""
+
+    __tablename__ = "version_lineage"
+    version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True)
+    step_id: Mapped[str] = mapped_column(String(36), primary_key=True, index=True)
+    session_id: Mapped[str] = mapped_column(String(36))
+    reward: Mapped[float | None] = mapped_column(Float)
+    advantage: Mapped[float | None] = mapped_column(Float)
+
+
+class TrainingRun(Base):
+    __tablename__ = "training_runs"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    ended_at: Mapped[datetime | None]
+    status: Mapped[str] = mapped_column(String(16), server_default="running")
+    config: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    host: Mapped[str | None] = mapped_column(String(256))
+
+
+class TrainingUpdate(Base):
+    """Metrics of one optimizer update (reward mean/std, loss, clip fraction, ...)."""
+
+    __tablename__ = "training_updates"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("training_runs.id", ondelete="CASCADE"), index=True)
+    version_id: Mapped[str | None] = mapped_column(String(36))
+    update: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+
+
+class StoredResponse(Base):
+    """Responses served on /v1/responses, so `previous_response_id` continues a conversation.
+
+    The conversation is needed verbatim to continue it, so it is kept encrypted (never in clear on
+    disk), for a bounded time, and is never used for training.
+    """
+
+    __tablename__ = "stored_responses"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(128))
+    session_id: Mapped[str | None] = mapped_column(String(36))
+    step_id: Mapped[str | None] = mapped_column(String(36))
+    sealed: Mapped[bytes] = mapped_column(LargeBinary)  # encrypted JSON of input + output items
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    expires_at: Mapped[datetime | None]
+    __table_args__ = (Index("ix_stored_responses_tenant", "tenant_id", "created_at"),)
+
+
+class AuditEvent(Base):
+    """Append-only audit trail (a trigger refuses UPDATE and DELETE)."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(server_default=NOW)
+    actor: Mapped[str] = mapped_column(String(128))  # key id, "cli", "system"
+    tenant_id: Mapped[str | None] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    __table_args__ = (Index("ix_audit_tenant_at", "tenant_id", "at"),)
