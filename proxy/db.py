@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,16 +90,21 @@ def alembic_config(url: str):
     return cfg
 
 
+_alembic_lock = threading.Lock()  # alembic's context is process-global: one migration at a time
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    with _alembic_lock:
+        command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
     from alembic import command
 
-    command.downgrade(alembic_config(url), revision)
+    with _alembic_lock:
+        command.downgrade(alembic_config(url), revision)
 
 
 def current(url: str) -> str | None:

@@ -8,7 +8,9 @@ temporary ATDP_HOME.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine
@@ -16,7 +18,7 @@ from sqlalchemy.engine import make_url
 
 from proxy import db
 
-# PLUGINS_PENDING pytest_plugins = ["tests.vllm_fixtures"]
+pytest_plugins = ["tests.vllm_fixtures"]
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +26,15 @@ def pg_admin_url(tmp_path_factory) -> str:
     url = os.environ.get("ATDP_TEST_DATABASE_URL")
     if url:
         return db.sqlalchemy_url(url)
-    home = tmp_path_factory.mktemp("atdp-home")
-    return _swap_db(db.embedded_url(home), "postgres")
+    return _swap_db(db.embedded_url(outside_tmp("atdp-home")), "postgres")
+
+
+def outside_tmp(prefix: str) -> Path:
+    """A temporary folder outside pytest's basetemp, which pytest keeps at mode 0700 and which the
+    embedded PostgreSQL (run by its own system user when we are root) could not traverse."""
+    path = Path(tempfile.mkdtemp(prefix=prefix + "-"))
+    path.chmod(0o755)
+    return path
 
 
 def _swap_db(url: str, name: str) -> str:

@@ -199,7 +199,10 @@ def test_cli_db_upgrade_given_url(new_database, tmp_path):
     assert r.stdout.strip() == db.current(url)
 
 
-def test_cli_db_upgrade_embedded_default(tmp_path):
+def test_cli_db_upgrade_embedded_default():
+    from tests.conftest import outside_tmp
+
+    tmp_path = outside_tmp("atdp-cli")
     env = {k: v for k, v in os.environ.items() if k != "ATDP_DATABASE_URL"}
     env["ATDP_HOME"] = str(tmp_path / "home")
     r = _atdp("db", "upgrade", env=env)

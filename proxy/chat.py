@@ -1,0 +1,197 @@
+"""`POST /v1/chat/completions`: forwarded to vLLM as is, captured token-exact.
+
+The proxy asks vLLM for `return_token_ids` and `logprobs` on every call and removes them from the
+answer unless the client asked for them, so the client sees what vLLM would have sent it. Streams
+pass through chunk by chunk as they arrive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy import calls
+from proxy.calls import Call
+from proxy.capture import ToolResultIn, sampling_params
+from proxy.errors import ApiError
+
+
+def _tool_results(messages: list[Any]) -> list[ToolResultIn]:
+    return [
+        ToolResultIn(call_id=m["tool_call_id"], content=m)
+        for m in messages
+        if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id")
+    ]
+
+
+def _system(messages: list[Any]) -> Any:
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and first.get("role") in ("system", "developer"):
+        return first  # the same object as the message: stored once
+    return None
+
+
+def validate(body: Any) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty array", code="invalid_messages")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+        raise ApiError(400, "each message must be an object with a 'role'", code="invalid_messages")
+    if not isinstance(body.get("model"), str):
+        raise ApiError(400, "'model' is required", code="missing_model")
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(400, "atdp records one choice per call: use n=1 (send parallel calls for several samples)")
+
+
+class ChatShaper:
+    """Removes what the proxy added for capture, so the client gets vLLM's answer as it asked for it."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.want_ids = body.get("return_token_ids") is True
+        self.want_logprobs = bool(body.get("logprobs"))
+        opts = body.get("stream_options") or {}
+        self.want_usage = bool(opts.get("include_usage"))
+
+    def upstream_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        up = dict(body)
+        up["return_token_ids"] = True
+        if not self.want_logprobs:
+            up["logprobs"] = True
+        if body.get("stream"):
+            up["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return up
+
+    def shape_choice(self, choice: dict[str, Any]) -> None:
+        if not self.want_ids:
+            choice.pop("token_ids", None)
+        if not self.want_logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+
+    def shape_response(self, resp: dict[str, Any]) -> dict[str, Any]:
+        if not self.want_ids:
+            resp.pop("prompt_token_ids", None)
+        for c in resp.get("choices") or ():
+            self.shape_choice(c)
+        return resp
+
+    def shape_chunk(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """None = drop the chunk (the usage-only chunk the client did not ask for)."""
+        if not self.want_usage and "usage" in chunk:
+            if not chunk.get("choices"):
+                return None
+            chunk.pop("usage", None)
+        if not self.want_ids:
+            chunk.pop("prompt_token_ids", None)
+        for c in chunk.get("choices") or ():
+            self.shape_choice(c)
+        return chunk
+
+
+async def iter_sse(resp: httpx.Response):
+    """Yield each SSE event's `data:` payload (bytes) as it arrives."""
+    buf = b""
+    async for raw in resp.aiter_raw():
+        buf += raw
+        while True:
+            i = buf.find(b"\n\n")
+            if i < 0:
+                break
+            event, buf = buf[:i], buf[i + 2 :]
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+    if buf.strip():
+        for line in buf.split(b"\n"):
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+
+
+def upstream_error(resp_status: int, body: bytes) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(body)
+        message = (parsed.get("error") or {}).get("message") if isinstance(parsed.get("error"), dict) else parsed.get("message")
+    except Exception:
+        message = None
+    return {"type": "upstream_error", "message": message or body[:500].decode(errors="replace"), "status_code": resp_status}
+
+
+async def handle(request: Request, body: dict[str, Any], call_begin) -> Response:
+    """The chat door. `call_begin(api, body, messages, **kw)` resolves session and principal."""
+    validate(body)
+    messages = body["messages"]
+    call: Call = call_begin(
+        "chat.completions", body, messages, system=_system(messages), tools=body.get("tools"),
+        tool_results_of=_tool_results, params=sampling_params(body),
+    )
+    shaper = ChatShaper(body)
+    upstream_body = shaper.upstream_body(body)
+    try:
+        resp = await calls.open_upstream(call, upstream_body)
+    except ApiError as e:
+        calls.finish(call, status="error", error={"type": "upstream_unavailable", "message": e.message, "status_code": e.status})
+        raise
+    if resp.status_code >= 400:
+        data = await resp.aread()
+        upstream_url = call.lease.replica.url if call.lease else None
+        await calls.close_upstream(call, resp)
+        calls.finish(call, status="error", error=upstream_error(resp.status_code, data), upstream=upstream_url)
+        return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
+                        headers=call.response_headers())
+    if body.get("stream"):
+        return calls.GuardedStream(call, resp, _stream(call, resp, shaper))
+    try:
+        data = await resp.aread()
+    except httpx.HTTPError as e:
+        await calls.close_upstream(call, resp)
+        calls.finish(call, status="error", error={"type": "upstream_error", "message": f"upstream read failed: {e}"})
+        raise ApiError(502, f"upstream read failed: {type(e).__name__}") from None
+    upstream_url = call.lease.replica.url if call.lease else None
+    await calls.close_upstream(call, resp)
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        calls.finish(call, status="error", error={"type": "upstream_error", "message": "upstream sent invalid JSON"},
+                     upstream=upstream_url)
+        raise ApiError(502, "upstream sent invalid JSON") from None
+    call.mark_token()
+    call.capture.feed_response(parsed)
+    msg = ((parsed.get("choices") or [{}])[0]).get("message")
+    calls.finish(call, status="ok", native_output=msg, upstream=upstream_url)
+    return Response(orjson.dumps(shaper.shape_response(parsed)), media_type="application/json",
+                    headers=call.response_headers())
+
+
+async def _stream(call: Call, resp: httpx.Response, shaper: ChatShaper):
+    status, error = "aborted", {"type": "client_disconnected", "message": "the client went away mid-stream"}
+    upstream_url = call.lease.replica.url if call.lease else None
+    try:
+        async for payload in iter_sse(resp):
+            if payload == b"[DONE]":
+                yield b"data: [DONE]\n\n"
+                continue
+            chunk = orjson.loads(payload)
+            if chunk.get("error"):  # vLLM reports mid-stream failures as an error chunk
+                status, error = "error", {"type": "upstream_error", "message": str(chunk["error"].get("message", chunk["error"]))}
+                yield b"data: " + payload + b"\n\n"
+                continue
+            call.capture.feed_chunk(chunk)
+            if call.ttft_s is None and call.capture.output_token_ids:
+                call.mark_token()
+            shaped = shaper.shape_chunk(chunk)
+            if shaped is not None:
+                yield b"data: " + orjson.dumps(shaped) + b"\n\n"
+        if status == "aborted":
+            status, error = "ok", None
+    except httpx.HTTPError as e:
+        status, error = "error", {"type": "upstream_error", "message": f"upstream stream broke: {type(e).__name__}"}
+        body = {"error": {"message": error["message"], "type": "upstream_error", "param": None, "code": None}}
+        yield b"data: " + orjson.dumps(body) + b"\n\n"
+    finally:
+        calls.finish(call, status=status, error=error, native_output=call.capture.assistant_message(), upstream=upstream_url)
+        await calls.close_upstream(call, resp)

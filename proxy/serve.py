@@ -1,0 +1,29 @@
+"""`atdp serve`: run the proxy with uvicorn (uvloop + httptools when installed)."""
+
+from __future__ import annotations
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.config import check_listen_address, load_settings
+
+    settings = load_settings()
+    if args.host:
+        settings.host = args.host
+    if args.port:
+        settings.port = args.port
+    check_listen_address(settings)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run the proxy (default 127.0.0.1:8700)")
+    p.add_argument("--host", help="listen address (ATDP_HOST; loopback unless you say otherwise)")
+    p.add_argument("--port", type=int, help="listen port (ATDP_PORT)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)

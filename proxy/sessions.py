@@ -1,0 +1,232 @@
+"""Which session a call belongs to, and which earlier step it continues.
+
+Order: `X-ATDP-Session-Id`; the `/s/{id}/v1/...` path; client-native ids (Claude Code
+`X-Claude-Code-Session-Id`, Codex `session-id`, Anthropic `metadata.user_id` JSON with
+`session_id`, Responses `client_metadata.session_id`); else *continuation*: a call whose messages
+start with an earlier step's input + output joins that step's session as its child.
+
+Continuation uses rolling hashes of normalised messages ("match keys"), so finding the parent is
+O(messages) dict lookups, in memory, never a database query on the request path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.content import chain_hash
+from proxy.ids import new_id
+
+
+@dataclass
+class SessionRef:
+    tenant: str
+    external_id: str
+    source: str  # header | path | claude-code | codex | anthropic-metadata | continuation | new
+    client: str | None = None
+    task_id: str | None = None
+
+
+@dataclass(frozen=True)
+class StepLink:
+    step_id: str
+    session_id: str  # external id
+    seq_hint: int
+
+
+@dataclass
+class Continuation:
+    parent: StepLink | None
+    history_len: int  # how many leading messages the parent already covers
+
+
+def detect_client(headers) -> str | None:
+    ua = (headers.get("user-agent") or "").lower()
+    if headers.get("x-claude-code-session-id") or "claude-cli" in ua or "claude-code" in ua:
+        return "claude-code"
+    if headers.get("session-id") and ("codex" in ua or headers.get("originator", "").startswith("codex")):
+        return "codex"
+    if "codex" in ua:
+        return "codex"
+    if "hermes" in ua:
+        return "hermes"
+    if "anthropic" in ua:
+        return "anthropic-python" if "python" in ua else "anthropic-sdk"
+    if ua.startswith("openai/python") or "openai/python" in ua:
+        return "openai-python"
+    if "openai" in ua:
+        return "openai-sdk"
+    return ua.split("/")[0][:64] or None
+
+
+def _metadata_session(body: dict[str, Any]) -> str | None:
+    meta = body.get("metadata")
+    if isinstance(meta, dict):
+        uid = meta.get("user_id")
+        if isinstance(uid, str) and "session" in uid:
+            try:
+                parsed = orjson.loads(uid)
+            except orjson.JSONDecodeError:
+                # Older Claude Code: "user_<hash>_account_<id>_session_<uuid>"
+                _, _, tail = uid.rpartition("_session_")
+                return tail or None
+            if isinstance(parsed, dict) and parsed.get("session_id"):
+                return str(parsed["session_id"])
+    cm = body.get("client_metadata")
+    if isinstance(cm, dict) and cm.get("session_id"):
+        return str(cm["session_id"])
+    return None
+
+
+def explicit_session(headers, path_session: str | None, body: dict[str, Any]) -> tuple[str, str] | None:
+    """(session id, how we know it) from headers, the path or the body; None when the call names none."""
+    if v := headers.get("x-atdp-session-id"):
+        return v, "header"
+    if path_session:
+        return path_session, "path"
+    if v := headers.get("x-claude-code-session-id"):
+        return v, "claude-code"
+    if v := headers.get("session-id"):
+        return v, "codex"
+    if v := _metadata_session(body):
+        return v, "metadata"
+    return None
+
+
+# --- match keys: what must be equal for a message to count as "the same" --------------------------
+
+def _text_of(content: Any) -> Any:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip()
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict):
+                p = {k: v for k, v in part.items() if k not in ("cache_control", "citations", "annotations", "id", "status")}
+                if "text" in p and isinstance(p["text"], str):
+                    p["text"] = p["text"].strip()
+                # input_text / output_text / text are the same words in different wrappers.
+                if p.get("type") in ("input_text", "output_text"):
+                    p["type"] = "text"
+                if p.get("type") == "text" and set(p) == {"type", "text"}:
+                    out.append(p["text"])
+                    continue
+                out.append(p)
+            else:
+                out.append(part)
+        if all(isinstance(x, str) for x in out):
+            return "\n".join(out)
+        return out
+    return content
+
+
+def _args(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError:
+            return value
+    return value
+
+
+def match_key(message: dict[str, Any]) -> bytes:
+    """A normal form of one message/item, independent of the API's cosmetic differences."""
+    if not isinstance(message, dict):
+        return orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+    mtype = message.get("type")
+    if mtype == "function_call":  # Responses item
+        key: dict[str, Any] = {"fc": message.get("call_id"), "n": message.get("name"), "a": _args(message.get("arguments"))}
+    elif mtype == "function_call_output":
+        key = {"fo": message.get("call_id"), "o": _text_of(message.get("output"))}
+    elif mtype == "reasoning":
+        key = {"r": 1}
+    else:
+        key = {"role": message.get("role") or "user", "c": _text_of(message.get("content"))}
+        if message.get("tool_calls"):
+            key["tc"] = [
+                {"id": tc.get("id"), "n": (tc.get("function") or {}).get("name"), "a": _args((tc.get("function") or {}).get("arguments"))}
+                for tc in message["tool_calls"]
+            ]
+        if message.get("tool_call_id"):
+            key["tid"] = message["tool_call_id"]
+    return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
+
+
+def prefix_hashes(tenant: str, keys: list[bytes]) -> list[str]:
+    """h[i] = rolling hash of keys[:i+1], seeded by the tenant (tenants never link to each other)."""
+    import hashlib
+
+    h = hashlib.sha256(tenant.encode()).hexdigest()
+    out = []
+    for k in keys:
+        h = chain_hash(h, hashlib.sha256(k).hexdigest())
+        out.append(h)
+    return out
+
+
+class ContinuationIndex:
+    """Recent steps by the hash of (their input + their output), bounded by size and age."""
+
+    def __init__(self, max_entries: int = 200_000, ttl_s: float = 24 * 3600.0) -> None:
+        self._by_transcript: OrderedDict[str, tuple[StepLink, float]] = OrderedDict()
+        self._by_input: OrderedDict[str, tuple[StepLink, StepLink | None, int, float]] = OrderedDict()
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+
+    def _trim(self, d: OrderedDict) -> None:
+        now = time.monotonic()
+        while d and (len(d) > self.max_entries or next(iter(d.values()))[-1] < now - self.ttl_s):
+            d.popitem(last=False)
+
+    def add(self, transcript_hash: str, link: StepLink) -> None:
+        self._by_transcript[transcript_hash] = (link, time.monotonic())
+        self._by_transcript.move_to_end(transcript_hash)
+        self._trim(self._by_transcript)
+
+    def add_input(self, input_hash: str, link: StepLink, parent: StepLink | None, history_len: int) -> None:
+        self._by_input[input_hash] = (link, parent, history_len, time.monotonic())
+        self._by_input.move_to_end(input_hash)
+        self._trim(self._by_input)
+
+    def find(self, hashes: list[str], session_id: str | None) -> Continuation:
+        """The longest earlier transcript that is a strict prefix of this call's messages."""
+        now = time.monotonic()
+        for i in range(len(hashes) - 2, -1, -1):
+            hit = self._by_transcript.get(hashes[i])
+            if hit and hit[1] >= now - self.ttl_s and (session_id is None or hit[0].session_id == session_id):
+                return Continuation(parent=hit[0], history_len=i + 1)
+        if hashes:
+            # The same input again (a retry, or a parallel sample): a sibling of that step.
+            hit2 = self._by_input.get(hashes[-1])
+            if hit2 and hit2[-1] >= now - self.ttl_s and (session_id is None or hit2[0].session_id == session_id):
+                link, parent, history_len, _ = hit2
+                if parent is not None:
+                    return Continuation(parent=parent, history_len=history_len)
+                return Continuation(parent=StepLink(step_id="", session_id=link.session_id, seq_hint=0), history_len=0)
+        return Continuation(parent=None, history_len=0)
+
+
+def resolve(
+    *, tenant: str, headers, path_session: str | None, body: dict[str, Any], hashes: list[str],
+    index: ContinuationIndex,
+) -> tuple[SessionRef, Continuation]:
+    client = detect_client(headers)
+    task_id = headers.get("x-atdp-task-id")
+    named = explicit_session(headers, path_session, body)
+    if named:
+        sid, source = named
+        cont = index.find(hashes, sid)
+        return SessionRef(tenant, sid, source, client, task_id), cont
+    cont = index.find(hashes, None)
+    if cont.parent is not None:
+        ref = SessionRef(tenant, cont.parent.session_id, "continuation", client, task_id)
+        if not cont.parent.step_id:  # sibling of a session's first step: same session, no parent
+            cont = Continuation(parent=None, history_len=0)
+        return ref, cont
+    return SessionRef(tenant, new_id(), "new", client, task_id), cont

@@ -1,0 +1,88 @@
+"""Observability: Prometheus metrics on /metrics and OpenTelemetry spans (GenAI conventions)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+REGISTRY = CollectorRegistry()
+
+REQUESTS = Counter("atdp_requests_total", "Model calls by API and outcome", ["api", "status"], registry=REGISTRY)
+LATENCY = Histogram(
+    "atdp_request_seconds", "Model call wall time (client view)", ["api"], registry=REGISTRY,
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+TTFT = Histogram(
+    "atdp_time_to_first_token_seconds", "Time to the first upstream token", ["api"], registry=REGISTRY,
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+TOKENS = Counter("atdp_tokens_total", "Tokens by direction", ["direction"], registry=REGISTRY)
+UPSTREAM_FAILURES = Counter("atdp_upstream_failures_total", "Failed upstream attempts", ["replica"], registry=REGISTRY)
+STEPS = Counter("atdp_steps_total", "Steps by where they went", ["to"], registry=REGISTRY)
+QUEUE_DEPTH = Gauge("atdp_writer_queue_depth", "Captured steps waiting for the writer", registry=REGISTRY)
+SPOOL_PENDING = Gauge("atdp_spool_pending", "1 while the spool holds steps not yet in the database", registry=REGISTRY)
+SWAPS = Counter("atdp_weight_swaps_total", "Weight swaps by outcome", ["status"], registry=REGISTRY)
+SWAP_SECONDS = Histogram("atdp_weight_swap_seconds", "Pause to new version serving", registry=REGISTRY,
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+
+
+def render_metrics(recorder=None) -> bytes:
+    if recorder is not None:
+        QUEUE_DEPTH.set(recorder.queue.qsize())
+        SPOOL_PENDING.set(1 if recorder.spool.pending() else 0)
+    return generate_latest(REGISTRY)
+
+
+class Tracer:
+    """Thin wrapper: a real OpenTelemetry tracer when an exporter is configured, else nothing at all.
+
+    With no exporter no span objects are created, so tracing costs nothing on the hot path.
+    """
+
+    def __init__(self, exporter: str) -> None:
+        self.enabled = exporter in ("console", "otlp")
+        self._tracer = None
+        if not self.enabled:
+            return
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+        provider = TracerProvider(resource=Resource.create({"service.name": "atdp-proxy"}))
+        if exporter == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        else:
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        self.provider = provider
+        self._tracer = provider.get_tracer("atdp.proxy")
+
+    def record_call(self, *, api: str, model: str | None, session_id: str, step_id: str, status: str,
+                    prompt_tokens: int, completion_tokens: int, start_ns: int, end_ns: int,
+                    finish_reason: str | None, upstream: str | None, error: str | None = None) -> None:
+        """One span per model call, written after the fact (start and end times are the real ones)."""
+        if self._tracer is None:
+            return
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        span = self._tracer.start_span(f"chat {model or ''}".strip(), kind=SpanKind.SERVER, start_time=start_ns)
+        span.set_attribute("gen_ai.operation.name", "chat")
+        span.set_attribute("gen_ai.system", "vllm")
+        if model:
+            span.set_attribute("gen_ai.request.model", model)
+        span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
+        if finish_reason:
+            span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+        span.set_attribute("session.id", session_id)
+        span.set_attribute("atdp.step.id", step_id)
+        span.set_attribute("atdp.api", api)
+        if upstream:
+            span.set_attribute("server.address", upstream)
+        if status != "ok":
+            span.set_status(Status(StatusCode.ERROR, error or status))
+        span.end(end_time=end_ns)
+
+    def shutdown(self) -> None:
+        if self._tracer is not None:
+            self.provider.shutdown()

@@ -1,0 +1,133 @@
+"""The vLLM replicas: choosing one per session, skipping dead ones, and the swap gate.
+
+Each replica has a gate. While a weight swap runs on a replica its gate is closed: new calls wait
+(bounded) or go to another open replica, and the swap starts only once the replica's in-flight
+calls have drained. So every call runs entirely under one weight version, and the version stamped
+on its tokens is exact by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+
+
+class NoReplicaAvailable(Exception):
+    """Every replica is dead, or held by a swap for longer than the hold timeout."""
+
+
+@dataclass
+class Replica:
+    url: str
+    version: str = "base"
+    inflight: int = 0
+    dead_until: float = 0.0  # monotonic time before which we don't try it again
+    failures: int = 0
+    _open: asyncio.Event = field(default_factory=asyncio.Event)
+    _drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._open.set()
+        self._drained.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return time.monotonic() >= self.dead_until
+
+    def mark_dead(self, seconds: float = 2.0) -> None:
+        self.failures += 1
+        # Back off longer for a replica that keeps failing, up to 30 s.
+        self.dead_until = time.monotonic() + min(30.0, seconds * 2 ** min(self.failures - 1, 4))
+
+    def mark_alive(self) -> None:
+        self.failures = 0
+        self.dead_until = 0.0
+
+
+@dataclass
+class Lease:
+    """A call's hold on a replica; `version` is what the replica serves for the whole call."""
+
+    replica: Replica
+    version: str
+
+
+class ReplicaPool:
+    def __init__(self, urls: list[str], *, hold_timeout_s: float = 60.0) -> None:
+        if not urls:
+            raise ValueError("at least one upstream URL is needed")
+        self.replicas = [Replica(url=u.rstrip("/")) for u in urls]
+        self.hold_timeout_s = hold_timeout_s
+
+    def ranked(self, key: str) -> list[Replica]:
+        """Rendezvous hashing: a stable preference order per session key (prefix-cache locality)."""
+        if len(self.replicas) == 1:
+            return list(self.replicas)
+
+        def score(r: Replica) -> bytes:
+            return hashlib.blake2b(f"{key}|{r.url}".encode(), digest_size=8).digest()
+
+        return sorted(self.replicas, key=score, reverse=True)
+
+    def candidates(self, key: str) -> Iterator[Replica]:
+        """Alive replicas in preference order; dead ones last (they may have come back)."""
+        ranked = self.ranked(key)
+        yield from (r for r in ranked if r.alive)
+        yield from (r for r in ranked if not r.alive)
+
+    async def acquire(self, replica: Replica) -> Lease:
+        """Enter a replica's gate (waiting while it swaps) and count the call in flight."""
+        if not replica.is_open:
+            try:
+                await asyncio.wait_for(replica._open.wait(), self.hold_timeout_s)
+            except TimeoutError:
+                raise NoReplicaAvailable(f"{replica.url} is swapping weights; held too long") from None
+        replica.inflight += 1
+        replica._drained.clear()
+        return Lease(replica=replica, version=replica.version)
+
+    def release(self, lease: Lease) -> None:
+        r = lease.replica
+        r.inflight -= 1
+        if r.inflight == 0:
+            r._drained.set()
+
+    def pick_open(self, key: str, exclude: set[str]) -> Replica | None:
+        """The preferred replica not yet tried; an open one first so a swap elsewhere doesn't hold us."""
+        options = [r for r in self.candidates(key) if r.url not in exclude]
+        if not options:
+            return None
+        for r in options:
+            if r.is_open and r.alive:
+                return r
+        return options[0]
+
+    @asynccontextmanager
+    async def swapping(self, replica: Replica, drain_timeout_s: float):
+        """Close the gate, wait for in-flight calls to finish, run the swap body, reopen."""
+        replica._open.clear()
+        try:
+            await asyncio.wait_for(replica._drained.wait(), drain_timeout_s)
+            yield replica
+        finally:
+            replica._open.set()
+
+
+def make_client(timeout_s: float, max_connections: int = 512) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=5.0),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        # The proxy forwards exactly; it never follows redirects or reads env proxies.
+        follow_redirects=False,
+        trust_env=False,
+    )

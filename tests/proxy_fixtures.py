@@ -1,0 +1,94 @@
+"""Fixtures that run the real proxy (uvicorn, in a thread) against real or scripted upstreams."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from proxy import tables as t
+from proxy.app import AppState, create_app
+from proxy.config import Settings
+from proxy.redaction import RedactionConfig, Redactor
+from tests.fake_vllm import FakeVLLM, ServerThread
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    state: AppState
+    server: ServerThread
+    tenant: str
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def flush(self, timeout: float = 30.0) -> None:
+        assert self.state.recorder.flush(timeout), "writer did not catch up"
+
+    def steps(self, factory, session_external_id: str | None = None) -> list[t.Step]:
+        self.flush()
+        with factory() as s:
+            q = select(t.Step).where(t.Step.tenant_id == self.tenant)
+            if session_external_id:
+                q = q.join(t.Session, t.Session.id == t.Step.session_id).where(t.Session.external_id == session_external_id)
+            return list(s.scalars(q.order_by(t.Step.started_at)))
+
+
+_shared_redactor: Redactor | None = None
+
+
+def shared_redactor(secret: bytes) -> Redactor:
+    """One in-process redactor for the test session (building Presidio takes a second)."""
+    global _shared_redactor
+    if _shared_redactor is None:
+        _shared_redactor = Redactor(RedactionConfig(salt=secret))
+    return _shared_redactor
+
+
+def wait_for_db(state: AppState, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while state.factory is None or not state.recorder.db_ok:
+        if time.monotonic() > deadline:
+            raise RuntimeError("proxy never connected to its database")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def start_proxy(db_url, tmp_path) -> Callable[..., RunningProxy]:
+    running: list[RunningProxy] = []
+
+    def start(upstreams: list[str], *, database_url: str | None = None, home: Path | None = None,
+              wait_db: bool = True, **overrides) -> RunningProxy:
+        tenant = overrides.pop("tenant", None) or f"t-{uuid.uuid4().hex[:8]}"
+        settings = Settings(home=home or tmp_path / f"home-{len(running)}", database_url=database_url or db_url,
+                            upstream_urls=upstreams, open_mode=True, default_tenant=tenant,
+                            secret=b"test-secret", admin_key="admin-test-key")
+        for k, v in overrides.items():
+            setattr(settings, k, v)
+        app = create_app(settings, redactor=shared_redactor(settings.secret))
+        server = ServerThread(app).start()
+        state = app.state.atdp
+        if wait_db:
+            wait_for_db(state)
+        rp = RunningProxy(url=server.url, state=state, server=server, tenant=tenant)
+        running.append(rp)
+        return rp
+
+    yield start
+    for rp in running:
+        rp.server.stop()
+
+
+@pytest.fixture
+def fake_upstream():
+    fake = FakeVLLM()
+    with ServerThread(fake) as server:
+        fake.url = server.url
+        yield fake
