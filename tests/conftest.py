@@ -18,7 +18,7 @@ from sqlalchemy.engine import make_url
 
 from proxy import db
 
-pytest_plugins = ["tests.vllm_fixtures"]
+pytest_plugins = ["tests.vllm_fixtures", "tests.proxy_fixtures"]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ from sqlalchemy import select
 
 from proxy import tables as t
 from tests.fake_vllm import FakeVLLM, ServerThread, render
-from tests.proxy_fixtures import fake_upstream, start_proxy  # noqa: F401  (fixtures)
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "read a file",
                                             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]

@@ -12,7 +12,6 @@ from sqlalchemy import func, select
 from proxy import db
 from proxy import tables as t
 from tests.conftest import outside_tmp
-from tests.proxy_fixtures import fake_upstream, start_proxy  # noqa: F401  (fixtures)
 
 
 def _own_postgres():

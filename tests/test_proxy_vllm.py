@@ -6,8 +6,6 @@ import httpx
 import openai
 import pytest
 
-from tests.proxy_fixtures import start_proxy  # noqa: F401  (fixture)
-
 pytestmark = pytest.mark.vllm
 
 
