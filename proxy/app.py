@@ -24,7 +24,7 @@ from proxy.config import Settings
 from proxy.errors import ApiError, Flavor, error_response, flavor_for_path
 from proxy.sessions import ContinuationIndex, StepLink
 from proxy.spool import Spool
-from proxy.upstream import ReplicaPool, make_client
+from proxy.upstream import ReplicaPool, make_client, make_session
 from proxy.writer import Recorder
 
 log = logging.getLogger("atdp.app")
@@ -39,7 +39,8 @@ class AppState:
     tracer: telemetry.Tracer
     factory: Any = None  # sqlalchemy sessionmaker, None until the database is reachable
     engine: Any = None
-    client: Any = None  # httpx.AsyncClient
+    client: Any = None  # httpx.AsyncClient, for control calls (swaps, model listings)
+    http: Any = None  # aiohttp.ClientSession, for model traffic (the hot path)
     keys: dict[str, Principal] = field(default_factory=dict)  # sha256(key) -> principal
     misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
     redactor: Any = None
@@ -177,7 +178,8 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
     if redactor is None:
         from proxy.redaction import RedactionConfig, RedactionPool
 
-        redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=settings.redaction_workers or None)
+        redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=settings.redaction_workers or None,
+                                 inline_chars=0)
     recorder = Recorder(
         secret=settings.secret, factory=None, spool=Spool(settings.spool_dir), redactor=redactor,
         policy_for=lambda s, tenant: tenants.policy_for(s, tenant) if s is not None else tenants.base_policy(tenant),
@@ -196,6 +198,7 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.client = make_client(settings.upstream_timeout_s)
+        state.http = make_session(settings.upstream_timeout_s)
         recorder.start()
         stop = asyncio.Event()
         tasks = []
@@ -211,6 +214,7 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
             for task in tasks:
                 task.cancel()
             await state.client.aclose()
+            await state.http.close()
             await asyncio.to_thread(recorder.stop)
             if hasattr(redactor, "close"):
                 redactor.close()
@@ -249,6 +253,14 @@ def door(state: AppState, flavor: Flavor, handler: Callable, *, admin: bool = Fa
     return endpoint
 
 
+SESSION_PREFIXES = ("", "/s/{session_id}")  # /s/{id}/v1/... for clients that can only change the base URL
+
+
+def add_route(app: FastAPI, path: str, endpoint: Callable, methods: list[str]) -> None:
+    """A plain Starlette route: model traffic skips FastAPI's per-request dependency machinery."""
+    app.router.add_route(path, endpoint, methods=methods)
+
+
 def _install_routes(app: FastAPI, state: AppState) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
@@ -261,10 +273,10 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
         return error_response(flavor_for_path(request.url.path), exc.status_code, f"{message}: {request.method} {request.url.path}")
 
     chat_endpoint = door(state, "openai", chat.handle)
-    for prefix in ("", "/s/{session_id}"):
-        app.add_api_route(prefix + "/v1/chat/completions", chat_endpoint, methods=["POST"])
-        app.add_api_route(prefix + "/v1/models", _models(state), methods=["GET"])
-        app.add_api_route(prefix + "/v1/models/{model_id:path}", _models(state), methods=["GET"])
+    for prefix in SESSION_PREFIXES:
+        add_route(app, prefix + "/v1/chat/completions", chat_endpoint, ["POST"])
+        add_route(app, prefix + "/v1/models", _models(state), ["GET"])
+        add_route(app, prefix + "/v1/models/{model_id:path}", _models(state), ["GET"])
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> Response:

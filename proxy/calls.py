@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 from starlette.responses import StreamingResponse
 
@@ -24,7 +24,7 @@ from proxy.capture import CapturedStep, ChatCapture, ToolResultIn
 from proxy.errors import ApiError
 from proxy.ids import new_id
 from proxy.sessions import Continuation, SessionRef, StepLink, match_key, prefix_hashes, resolve
-from proxy.upstream import Lease, NoReplicaAvailable
+from proxy.upstream import Lease, NoReplicaAvailable, UpstreamResponse
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _client_info(headers) -> dict[str, Any]:
     return info
 
 
-async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str = "/v1/chat/completions") -> httpx.Response:
+async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str = "/v1/chat/completions") -> UpstreamResponse:
     """Send the call to a replica (sticky per session, failing over while nothing reached the client).
 
     Returns the upstream response with its headers read and its body not yet consumed; the caller
@@ -118,9 +118,8 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
             last, last_status = str(e), 503
             continue
         try:
-            req = state.client.build_request("POST", replica.url + path, content=content, headers=headers)
-            resp = await state.client.send(req, stream=True)
-        except (httpx.TransportError, OSError) as e:
+            resp = UpstreamResponse(await state.http.post(replica.url + path, data=content, headers=headers))
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
             state.pool.release(lease)
             replica.mark_dead()
             telemetry.UPSTREAM_FAILURES.labels(replica.url).inc()
@@ -139,7 +138,7 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
         return resp
 
 
-async def close_upstream(call: Call, resp: httpx.Response | None) -> None:
+async def close_upstream(call: Call, resp: UpstreamResponse | None) -> None:
     if call.lease is not None:
         call.state.pool.release(call.lease)
         call.lease = None
@@ -209,7 +208,7 @@ class GuardedStream(StreamingResponse):
     never runs; this wrapper still records the step (aborted) and releases the upstream.
     """
 
-    def __init__(self, call: Call, resp: httpx.Response, body, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, call: Call, resp: UpstreamResponse, body, headers: dict[str, str] | None = None) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={**call.response_headers(), "cache-control": "no-cache", **(headers or {})})
         self._call, self._resp = call, resp

@@ -93,7 +93,7 @@ class ChatShaper:
         return chunk
 
 
-async def iter_sse(resp: httpx.Response):
+async def iter_sse(resp):
     """Yield each SSE event's `data:` payload (bytes) as it arrives."""
     buf = b""
     async for raw in resp.aiter_raw():
@@ -167,7 +167,7 @@ async def handle(request: Request, body: dict[str, Any], call_begin) -> Response
                     headers=call.response_headers())
 
 
-async def _stream(call: Call, resp: httpx.Response, shaper: ChatShaper):
+async def _stream(call: Call, resp, shaper: ChatShaper):
     status, error = "aborted", {"type": "client_disconnected", "message": "the client went away mid-stream"}
     upstream_url = call.lease.replica.url if call.lease else None
     try:

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 
 def cmd_serve(args) -> int:
+    import logging
+
     import uvicorn
 
     from proxy.app import create_app
     from proxy.config import check_listen_address, load_settings
 
+    # A log line per upstream request would cost more than the proxy itself.
+    for name in ("httpx", "httpcore", "presidio-analyzer", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    import sys
+
+    # The writer thread shares the GIL with the event loop: hand it back often so a batch being
+    # written never holds a model response for the default 5 ms.
+    sys.setswitchinterval(0.0005)
     settings = load_settings()
     if args.host:
         settings.host = args.host

@@ -131,47 +131,20 @@ def ensure_tenant(s: Session, tenant_id: str) -> None:
     s.execute(insert(t.Tenant).values(id=tenant_id).on_conflict_do_nothing())
 
 
-def _upsert_session(s: Session, info: SessionInfo, started_at: datetime, new_id: str) -> str:
-    """Find or create the session by (tenant, public id); returns its internal id."""
-    stmt = (
-        insert(t.Session)
-        .values(
-            id=new_id,
-            tenant_id=info.tenant_id,
-            external_id=info.external_id,
-            client=info.client,
-            client_info=info.client_info,
-            task_id=info.task_id,
-            labels=info.labels,
-            started_at=started_at,
-            last_step_at=started_at,
-            replay_of=info.replay_of,
-        )
-        .on_conflict_do_update(
-            constraint="uq_sessions_tenant_external",
-            set_={
-                "last_step_at": func.greatest(t.Session.last_step_at, started_at),
-                "task_id": func.coalesce(t.Session.task_id, info.task_id),
-                "client": func.coalesce(t.Session.client, info.client),
-            },
-        )
-        .returning(t.Session.id)
-    )
-    return s.execute(stmt).scalar_one()
-
-
 def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     """Insert a batch of step records (idempotent by step id). Returns how many were new.
 
-    `new_session_id` mints the internal id of a session seen for the first time.
-    Steps are written in the order given; `seq` continues the session's numbering.
+    A handful of statements per batch, whatever its size: contents, sessions (upsert + lock),
+    current max seq per session, steps, tool calls, tool-result links. `new_session_id` mints the
+    internal id of a session seen for the first time. `seq` continues each session's numbering in
+    the order the records are given.
     """
     if not records:
         return 0
-    for tenant in {r.session.tenant_id for r in records}:
-        ensure_tenant(s, tenant)
+    tenants = sorted({r.session.tenant_id for r in records})
+    s.execute(insert(t.Tenant).values([{"id": x} for x in tenants]).on_conflict_do_nothing())
 
-    # Contents first (deduplicated across the batch; existing rows are left alone).
+    # Contents (deduplicated across the batch; rows already stored are left alone).
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
         for c in r.contents:
@@ -182,65 +155,79 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             )
     if rows:
         ordered = [rows[k] for k in sorted(rows)]  # stable lock order across concurrent writers
-        for i in range(0, len(ordered), 500):
-            s.execute(insert(t.Content).values(ordered[i : i + 500]).on_conflict_do_nothing())
+        for i in range(0, len(ordered), 1000):
+            s.execute(insert(t.Content).values(ordered[i : i + 1000]).on_conflict_do_nothing())
 
-    existing = set(
-        s.scalars(select(t.Step.id).where(t.Step.id.in_([r.id for r in records]))).all()
-    )
-    written = 0
-    session_ids: dict[tuple[str, str], str] = {}
-    for r in records:
-        if r.id in existing:  # already written (spool replay after a partial failure)
-            continue
+    existing = set(s.scalars(select(t.Step.id).where(t.Step.id.in_([r.id for r in records]))))
+    fresh = [r for r in records if r.id not in existing]
+    if not fresh:
+        return 0
+
+    # Sessions: one upsert for the batch; the row locks serialise seq assignment across writers.
+    first: dict[tuple[str, str], StepRecord] = {}
+    last_at: dict[tuple[str, str], datetime] = {}
+    for r in fresh:
         key = (r.session.tenant_id, r.session.external_id)
-        sid = session_ids.get(key)
-        if sid is None:
-            sid = _upsert_session(s, r.session, r.started_at, new_session_id())
-            # Serialise seq assignment per session across writers.
-            s.execute(select(t.Session.id).where(t.Session.id == sid).with_for_update())
-            session_ids[key] = sid
-        else:
-            s.execute(
-                update(t.Session)
-                .where(t.Session.id == sid)
-                .values(last_step_at=func.greatest(t.Session.last_step_at, r.started_at))
-            )
-        seq = (s.execute(select(func.coalesce(func.max(t.Step.seq), 0)).where(t.Step.session_id == sid)).scalar_one()) + 1
-        s.add(
-            t.Step(
-                id=r.id, session_id=sid, tenant_id=r.session.tenant_id, seq=seq, parent_step_id=r.parent_step_id,
-                api=r.api, status=r.status, error=r.error, upstream=r.upstream, model=r.model,
-                model_version=r.model_version, system_hash=r.system_hash, tools_hash=r.tools_hash,
-                history_len=r.history_len, message_hashes=r.message_hashes, params=r.params,
-                transcript_hash=r.transcript_hash, output_hash=r.output_hash, token_source=r.token_source,
-                prompt_prefix_len=r.prompt_prefix_len, prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids, output_logprobs=r.output_logprobs,
-                output_versions=r.output_versions, output_mask=r.output_mask, finish_reason=r.finish_reason,
-                started_at=r.started_at, ttft_ms=r.ttft_ms, total_ms=r.total_ms, prompt_tokens=r.prompt_tokens,
-                completion_tokens=r.completion_tokens, cost=r.cost, redaction=r.redaction,
-                eligibility=r.eligibility, eligibility_reason=r.eligibility_reason, visibility=r.visibility,
-                retention_until=r.retention_until, replay_of=r.replay_of,
-            )
+        first.setdefault(key, r)
+        last_at[key] = max(last_at.get(key, r.started_at), r.started_at)
+    values = [
+        {"id": new_session_id(), "tenant_id": k[0], "external_id": k[1], "client": r.session.client,
+         "client_info": r.session.client_info, "task_id": r.session.task_id, "labels": r.session.labels,
+         "started_at": r.started_at, "last_step_at": last_at[k], "replay_of": r.session.replay_of}
+        for k, r in sorted(first.items())
+    ]
+    ins = insert(t.Session).values(values)
+    upsert = ins.on_conflict_do_update(
+        constraint="uq_sessions_tenant_external",
+        set_={
+            "last_step_at": func.greatest(t.Session.last_step_at, ins.excluded.last_step_at),
+            "task_id": func.coalesce(t.Session.task_id, ins.excluded.task_id),
+            "client": func.coalesce(t.Session.client, ins.excluded.client),
+        },
+    ).returning(t.Session.id, t.Session.tenant_id, t.Session.external_id)
+    sid_of = {(tenant, ext): sid for sid, tenant, ext in s.execute(upsert)}
+    sids = sorted(sid_of.values())
+    s.execute(select(t.Session.id).where(t.Session.id.in_(sids)).order_by(t.Session.id).with_for_update())
+    next_seq = dict.fromkeys(sids, 0)
+    next_seq.update(
+        s.execute(select(t.Step.session_id, func.max(t.Step.seq)).where(t.Step.session_id.in_(sids))
+                  .group_by(t.Step.session_id)).all()
+    )
+
+    step_rows, call_rows, links = [], [], []
+    for r in fresh:
+        sid = sid_of[(r.session.tenant_id, r.session.external_id)]
+        next_seq[sid] += 1
+        step_rows.append({
+            "id": r.id, "session_id": sid, "tenant_id": r.session.tenant_id, "seq": next_seq[sid],
+            "parent_step_id": r.parent_step_id, "api": r.api, "status": r.status, "error": r.error,
+            "upstream": r.upstream, "model": r.model, "model_version": r.model_version,
+            "system_hash": r.system_hash, "tools_hash": r.tools_hash, "history_len": r.history_len,
+            "message_hashes": r.message_hashes, "params": r.params, "transcript_hash": r.transcript_hash,
+            "output_hash": r.output_hash, "token_source": r.token_source, "prompt_prefix_len": r.prompt_prefix_len,
+            "prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
+            "output_logprobs": r.output_logprobs, "output_versions": r.output_versions,
+            "output_mask": r.output_mask, "finish_reason": r.finish_reason, "started_at": r.started_at,
+            "ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens, "cost": r.cost, "redaction": r.redaction,
+            "eligibility": r.eligibility, "eligibility_reason": r.eligibility_reason,
+            "visibility": r.visibility, "retention_until": r.retention_until, "replay_of": r.replay_of,
+        })
+        call_rows += [{"step_id": r.id, "call_id": tc.call_id, "session_id": sid, "tenant_id": r.session.tenant_id,
+                       "name": tc.name, "arguments": tc.arguments} for tc in r.tool_calls]
+        links += [(sid, r.id, tr) for tr in r.tool_results]
+    s.execute(insert(t.Step), step_rows)
+    if call_rows:
+        s.execute(insert(t.ToolCall).on_conflict_do_nothing(), call_rows)
+    for sid, step_id, tr in links:
+        # Link the result to the call that asked for it (same session; the open call with that id).
+        s.execute(
+            update(t.ToolCall)
+            .where(t.ToolCall.session_id == sid, t.ToolCall.call_id == tr.call_id, t.ToolCall.result_step_id.is_(None))
+            .values(result_step_id=step_id, result_hash=tr.result_hash, is_error=tr.is_error)
+            .execution_options(synchronize_session=False)
         )
-        s.flush()
-        for tc in r.tool_calls:
-            s.execute(
-                insert(t.ToolCall)
-                .values(step_id=r.id, call_id=tc.call_id, session_id=sid, tenant_id=r.session.tenant_id,
-                        name=tc.name, arguments=tc.arguments)
-                .on_conflict_do_nothing()
-            )
-        for tr in r.tool_results:
-            # Link the result to the call that asked for it (same session; latest call with that id).
-            s.execute(
-                update(t.ToolCall)
-                .where(t.ToolCall.session_id == sid, t.ToolCall.call_id == tr.call_id,
-                       t.ToolCall.result_step_id.is_(None))
-                .values(result_step_id=r.id, result_hash=tr.result_hash, is_error=tr.is_error)
-            )
-        written += 1
-    return written
+    return len(fresh)
 
 
 def full_prompt_ids(s: Session, step: t.Step) -> list[int]:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 
@@ -121,6 +122,55 @@ class ReplicaPool:
             yield replica
         finally:
             replica._open.set()
+
+
+class UpstreamResponse:
+    """An httpx-like view of an aiohttp response.
+
+    Model traffic goes over aiohttp: on this 2-core machine it costs ~0.1 ms per call against
+    ~0.6 ms for httpx, and the proxy's added latency budget is 1 ms. Read failures surface as
+    `httpx.ReadError` so door code handles one exception family; control calls still use httpx.
+    """
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._r = resp
+        self.status_code = resp.status
+        self.headers = resp.headers
+        self._done = False
+
+    async def aread(self) -> bytes:
+        try:
+            data = await self._r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+        self._done = True
+        return data
+
+    async def aiter_raw(self):
+        try:
+            async for chunk in self._r.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
+        self._done = True
+
+    async def aclose(self) -> None:
+        # A finished body returns the connection to the pool; an unfinished one is closed, which
+        # makes vLLM abort the generation (the client is gone, so are its tokens).
+        if self._done:
+            self._r.release()
+        else:
+            self._r.close()
+
+
+def make_session(timeout_s: float, max_connections: int = 512) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=300, keepalive_timeout=30),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s),
+        auto_decompress=False,
+        trust_env=False,
+        skip_auto_headers=("User-Agent",),
+    )
 
 
 def make_client(timeout_s: float, max_connections: int = 512) -> httpx.AsyncClient:

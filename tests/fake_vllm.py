@@ -46,6 +46,7 @@ class FakeVLLM:
         self.version = "base"
         self.paused = False
         self.chunk_size = chunk_size
+        self.chunk_delay = 0.0  # seconds between streamed chunks (a model generating)
         self.requests: list[dict[str, Any]] = []
         self.record = True
         self.reloads: list[str] = []
@@ -214,6 +215,8 @@ class FakeVLLM:
             piece = text_ids[pos : pos + self.chunk_size]
             pos += len(piece)
             await event(chunk({"content": bytes(piece).decode(errors="ignore")}, piece))
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
             sent += 1
             if plan.get("drop") and sent >= 2:
                 raise ConnectionResetError("scripted drop")  # the server aborts the response mid-stream
@@ -273,3 +276,22 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main() -> None:
+    """Serve the scripted upstream on its own (the proxy benchmark runs it as a separate process)."""
+    import argparse
+
+    import uvicorn
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--chunk-size", type=int, default=4)
+    args = p.parse_args()
+    fake = FakeVLLM(chunk_size=args.chunk_size)
+    fake.record = False
+    uvicorn.run(fake, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -240,9 +240,10 @@ def test_upstream_dies_mid_stream_is_error_step_with_tokens(start_proxy, fake_up
 
 def test_client_disconnect_mid_stream_is_aborted_step(start_proxy, fake_upstream, factory):
     fake_upstream.chunk_size = 1
+    fake_upstream.chunk_delay = 0.005  # a model still generating when the client leaves
     proxy = start_proxy([fake_upstream.url])
     with httpx.stream("POST", proxy.v1 + "/chat/completions", json={
-            "model": "fake", "stream": True, "messages": [{"role": "user", "content": "#say " + "long answer " * 200}]}) as r:
+            "model": "fake", "stream": True, "messages": [{"role": "user", "content": "#say " + "long answer " * 30}]}) as r:
         for i, _ in enumerate(r.iter_bytes()):
             if i >= 3:
                 break
@@ -253,7 +254,7 @@ def test_client_disconnect_mid_stream_is_aborted_step(start_proxy, fake_upstream
         time.sleep(0.1)
     (step,) = steps
     assert step.status == "aborted"
-    assert 0 < len(step.output_token_ids) < len(("[w0] " + "long answer " * 200).encode())
+    assert 0 < len(step.output_token_ids) < len(("[w0] " + "long answer " * 30).encode())
     assert proxy.state.pool.replicas[0].inflight == 0
 
 

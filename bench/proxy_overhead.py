@@ -1,0 +1,329 @@
+"""Proxy overhead, measured against a direct call, interleaved in one run.
+
+Starts a fast scripted upstream (tests/fake_vllm.py, its own process) and the real proxy
+(`atdp serve`, its own process, capture + redaction + PostgreSQL persistence on), then drives both
+with a small keep-alive HTTP/1.1 load generator (raw asyncio sockets, so the client's own cost stays
+out of the numbers). Direct and proxied calls alternate in rounds, so machine noise hits both alike.
+
+  python bench/proxy_overhead.py [--requests 2000] [--out bench/results/proxy_overhead.json]
+
+Reports, per concurrency (1 and 32): p50/p99 latency direct and through the proxy, the added
+p50/p99, throughput, and for streams the time-to-first-byte overhead. Needs a PostgreSQL
+(ATDP_DATABASE_URL, else ATDP_TEST_DATABASE_URL's server gets a scratch database, else embedded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(port: int, path: str = "/health", timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1).status_code < 500:
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing answered on port {port}")
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection; requests are pre-encoded bytes."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def request(self, raw: bytes, stream: bool) -> tuple[float, float, int]:
+        """Returns (seconds to first body byte, seconds to complete, status)."""
+        t0 = time.perf_counter()
+        self.writer.write(raw)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        headers = {}
+        for line in head.split(b"\r\n")[1:]:
+            if b":" in line:
+                k, v = line.split(b":", 1)
+                headers[k.strip().lower()] = v.strip()
+        ttfb = None
+        if b"content-length" in headers:
+            n = int(headers[b"content-length"])
+            first = await self.reader.readexactly(min(1, n)) if n else b""
+            ttfb = time.perf_counter() - t0
+            if n > 1:
+                await self.reader.readexactly(n - len(first))
+        else:  # chunked
+            while True:
+                size_line = await self.reader.readuntil(b"\r\n")
+                size = int(size_line.strip().split(b";")[0], 16)
+                if ttfb is None:
+                    ttfb = time.perf_counter() - t0
+                await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        return ttfb, time.perf_counter() - t0, status
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def encode(port: int, path: str, body: dict, session: str | None = None) -> bytes:
+    data = orjson.dumps(body)
+    headers = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Content-Type: application/json",
+               f"Content-Length: {len(data)}", "Authorization: Bearer bench"]
+    if session:
+        headers.append(f"X-ATDP-Session-Id: {session}")
+    return ("\r\n".join(headers) + "\r\n\r\n").encode() + data
+
+
+def body_for(i: int, stream: bool) -> dict:
+    # Distinct content every call: redaction and persistence see realistic new text each time.
+    return {"model": "fake", "stream": stream, "max_tokens": 64,
+            "messages": [{"role": "system", "content": "You are a coding agent. Follow the repository rules."},
+                         {"role": "user", "content": f"request {i} {uuid.uuid4().hex}: list the files in src/ "
+                                                     f"and explain what module {i % 17} does, briefly."}]}
+
+
+async def run_round(port: int, n: int, concurrency: int, stream: bool, start: int) -> tuple[list[float], list[float], float, int]:
+    conns = [Conn(port) for _ in range(concurrency)]
+    await asyncio.gather(*(c.open() for c in conns))
+    lat, ttfb, errors = [], [], 0
+    counter = iter(range(start, start + n))
+
+    async def worker(c: Conn) -> None:
+        nonlocal errors
+        for i in counter:
+            tb, total, status = await c.request(encode(port, "/v1/chat/completions", body_for(i, stream)), stream)
+            if status != 200:
+                errors += 1
+            lat.append(total)
+            ttfb.append(tb)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns))
+    elapsed = time.perf_counter() - t0
+    for c in conns:
+        c.close()
+    return lat, ttfb, n / elapsed, errors
+
+
+async def run_rate(port: int, n: int, concurrency: int, stream: bool, start: int, rate: float) -> tuple[list[float], list[float], float, int]:
+    """Open loop: request i is due at t0 + i/rate, on one of `concurrency` connections.
+
+    Latency counts from when a request was due, not when a connection freed up, so a proxy that
+    falls behind shows it (no coordinated omission).
+    """
+    conns: asyncio.Queue[Conn] = asyncio.Queue()
+    opened = [Conn(port) for _ in range(concurrency)]
+    await asyncio.gather(*(c.open() for c in opened))
+    for c in opened:
+        conns.put_nowait(c)
+    lat, ttfb, errors = [], [], 0
+    t0 = time.perf_counter()
+
+    async def one(i: int, due: float) -> None:
+        nonlocal errors
+        c = await conns.get()
+        try:
+            raw = encode(port, "/v1/chat/completions", body_for(i, stream))
+            queued = time.perf_counter() - due
+            tb, total, status = await c.request(raw, stream)
+        finally:
+            conns.put_nowait(c)
+        if status != 200:
+            errors += 1
+        lat.append(queued + total)
+        ttfb.append(queued + tb)
+
+    tasks = []
+    for k in range(n):
+        due = t0 + k / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(start + k, due)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    for c in opened:
+        c.close()
+    return lat, ttfb, n / elapsed, errors
+
+
+def q(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p * len(values)))] * 1000
+
+
+async def measure(direct_port: int, proxy_port: int, requests: int, concurrency: int, stream: bool, rounds: int,
+                  rate: float | None = None) -> dict:
+    per_round = max(concurrency, requests // rounds)
+    res = {"direct": ([], [], []), "proxy": ([], [], [])}
+    errors = {"direct": 0, "proxy": 0}
+    i = 0
+    # Warm both paths (connections, caches, JIT-free but lazy imports) before measuring.
+    await run_round(direct_port, concurrency * 4, concurrency, stream, 10_000_000)
+    await run_round(proxy_port, concurrency * 4, concurrency, stream, 20_000_000)
+    for _ in range(rounds):
+        for name, port in (("direct", direct_port), ("proxy", proxy_port)):
+            if rate:
+                lat, tb, rps, err = await run_rate(port, per_round, concurrency, stream, i, rate)
+            else:
+                lat, tb, rps, err = await run_round(port, per_round, concurrency, stream, i)
+            i += per_round
+            res[name][0].extend(lat)
+            res[name][1].extend(tb)
+            res[name][2].append(rps)
+            errors[name] += err
+    out = {"concurrency": concurrency, "stream": stream, "offered_rps": rate, "requests_each": len(res["proxy"][0])}
+    for name in ("direct", "proxy"):
+        lat, tb, rps = res[name]
+        out[name] = {"p50_ms": q(lat, 0.5), "p99_ms": q(lat, 0.99), "ttfb_p50_ms": q(tb, 0.5),
+                     "rps": statistics.median(rps), "errors": errors[name]}
+    out["added_p50_ms"] = out["proxy"]["p50_ms"] - out["direct"]["p50_ms"]
+    out["added_p99_ms"] = out["proxy"]["p99_ms"] - out["direct"]["p99_ms"]
+    out["added_ttfb_p50_ms"] = out["proxy"]["ttfb_p50_ms"] - out["direct"]["ttfb_p50_ms"]
+    return out
+
+
+def scratch_database() -> tuple[str, callable]:
+    if os.environ.get("ATDP_DATABASE_URL"):
+        return os.environ["ATDP_DATABASE_URL"], lambda: None
+    base = os.environ.get("ATDP_TEST_DATABASE_URL")
+    if not base:
+        return "", lambda: None  # embedded, under the scratch ATDP_HOME
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+
+    from proxy.db import sqlalchemy_url
+
+    name = f"atdp_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(sqlalchemy_url(base), isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+    return make_url(sqlalchemy_url(base)).set(database=name).render_as_string(hide_password=False), drop
+
+
+def steps_written(url: str, home: str) -> int | None:
+    from sqlalchemy import create_engine, text
+
+    from proxy.db import embedded_url, sqlalchemy_url
+
+    engine = create_engine(sqlalchemy_url(url) if url else embedded_url(Path(home)))
+    try:
+        with engine.connect() as c:
+            return c.execute(text("SELECT count(*) FROM steps")).scalar()
+    finally:
+        engine.dispose()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000, help="proxied requests per scenario (same number direct)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rate", type=float, default=300.0, help="offered load for the concurrency-32 open-loop runs")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.json"))
+    args = ap.parse_args()
+
+    db_url, drop = scratch_database()
+    home = tempfile.mkdtemp(prefix="atdp-bench-")
+    os.chmod(home, 0o755)
+    up_port, proxy_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(up_port)], cwd=ROOT, env=env)]
+    penv = {**env, "ATDP_HOME": home, "ATDP_UPSTREAM_URL": f"http://127.0.0.1:{up_port}", "ATDP_OPEN_MODE": "1",
+            "ATDP_DEFAULT_TENANT": "bench"}
+    if db_url:
+        penv["ATDP_DATABASE_URL"] = db_url
+    procs.append(subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--port", str(proxy_port),
+                                   "--log-level", "warning"], cwd=ROOT, env=penv))
+    try:
+        wait_http(up_port)
+        wait_http(proxy_port, "/healthz")
+        deadline = time.monotonic() + 60
+        import httpx
+
+        while not httpx.get(f"http://127.0.0.1:{proxy_port}/healthz").json()["database"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("proxy has no database")
+            time.sleep(0.2)
+        results = []
+        # Concurrency 1: back-to-back calls. Concurrency 32: an offered load of --rate requests/s on
+        # up to 32 connections (open loop), and the closed-loop maximum (32 callers, no pause).
+        scenarios = [(1, False, None), (1, True, None), (32, False, args.rate), (32, True, args.rate),
+                     (32, False, None), (32, True, None)]
+        for concurrency, stream, rate in scenarios:
+            n = args.requests if concurrency == 1 else args.requests * 2
+            r = asyncio.run(measure(up_port, proxy_port, n, concurrency, stream, args.rounds, rate))
+            results.append(r)
+            mode = f"rate {rate:.0f}/s" if rate else "closed loop"
+            print(f"c={concurrency:>2} {mode:12} stream={str(stream):5}  direct p50 {r['direct']['p50_ms']:6.2f} ms "
+                  f"p99 {r['direct']['p99_ms']:6.2f} ms {r['direct']['rps']:7.0f} rps | proxy p50 "
+                  f"{r['proxy']['p50_ms']:6.2f} ms p99 {r['proxy']['p99_ms']:6.2f} ms {r['proxy']['rps']:7.0f} rps | "
+                  f"added p50 {r['added_p50_ms']:5.2f} ms p99 {r['added_p99_ms']:5.2f} ms ttfb {r['added_ttfb_p50_ms']:5.2f} ms",
+                  flush=True)
+        # Persistence was on: every proxied call must be a step in PostgreSQL.
+        time.sleep(2.0)
+        sent = sum(r["requests_each"] for r in results) + sum(r["concurrency"] * 4 for r in results)
+        written = steps_written(db_url, home)
+        summary = {"results": results, "proxied_calls": sent, "steps_in_database": written,
+                   "machine": {"cores": os.cpu_count()}}
+        print(f"steps in PostgreSQL: {written} of {sent} proxied calls")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+        print(f"wrote {args.out}")
+        print()
+        print("| concurrency | load | stream | direct p50 / p99 (ms) | proxy p50 / p99 (ms) | added p50 / p99 (ms) | proxy rps | added TTFB p50 (ms) |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in results:
+            load = f"{r['offered_rps']:.0f} req/s offered" if r["offered_rps"] else "closed loop"
+            print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r['direct']['p50_ms']:.2f} / {r['direct']['p99_ms']:.2f} | "
+                  f"{r['proxy']['p50_ms']:.2f} / {r['proxy']['p99_ms']:.2f} | {r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | "
+                  f"{r['proxy']['rps']:.0f} | {r['added_ttfb_p50_ms']:.2f} |")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+        drop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
