@@ -1,0 +1,204 @@
+"""Samples from captured token ids: per-step vs concat, discount, redaction, staleness, packing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.batch import StepTokens, build_samples, micro_batches, pack, split_for_ranks, split_stale
+
+
+def step(
+    sid: str,
+    seq: int,
+    prompt: list[int],
+    output: list[int],
+    *,
+    session: str = "s1",
+    task: str | None = None,
+    reward: float = 1.0,
+    mask: list[int] | None = None,
+    lag: int = 0,
+    exact: bool = True,
+) -> StepTokens:
+    return StepTokens(
+        step_id=sid,
+        session_id=session,
+        task_id=task,
+        seq=seq,
+        prompt_ids=prompt,
+        output_ids=output,
+        behaviour_logprobs=[-0.1 * (i + 1) for i in range(len(output))],
+        output_versions=["v1"] * len(output),
+        output_mask=mask if mask is not None else [1] * len(output),
+        prompt_exact=exact,
+        reward=reward,
+        version_lag=lag,
+    )
+
+
+def chained_session(session: str = "s1", reward: float = 1.0, task: str | None = None) -> list[StepTokens]:
+    """Three turns; each prompt = previous prompt + output + new tokens (a tool result, a user turn)."""
+    s0 = step(f"{session}-0", 0, [10, 11, 12], [20, 21], session=session, reward=reward, task=task)
+    s1 = step(f"{session}-1", 1, [10, 11, 12, 20, 21, 13], [22], session=session, reward=reward, task=task)
+    s2 = step(
+        f"{session}-2",
+        2,
+        [10, 11, 12, 20, 21, 13, 22, 14, 15],
+        [23, 24, 25],
+        session=session,
+        reward=reward,
+        task=task,
+    )
+    return [s0, s1, s2]
+
+
+def test_per_step_samples_with_turn_discount():
+    samples = build_samples(chained_session(reward=2.0), mode="per_step", turn_discount=0.5, max_len=100)
+    assert [s.reward for s in samples] == [0.5, 1.0, 2.0]  # 2 * 0.5**(T-1-t)
+    first = samples[0]
+    assert first.input_ids == [10, 11, 12, 20, 21]
+    assert first.loss_mask == [0, 0, 0, 1, 1]
+    assert first.behaviour_logprobs == pytest.approx([0, 0, 0, -0.1, -0.2])
+    assert first.step_ids == ["s1-0"]
+
+
+def test_concat_sample_when_prompts_extend_token_for_token():
+    steps = chained_session(reward=2.0)
+    for mode in ("concat", "auto"):
+        samples = build_samples(list(reversed(steps)), mode=mode, turn_discount=0.5, max_len=100)
+        assert len(samples) == 1
+        s = samples[0]
+        assert s.input_ids == [10, 11, 12, 20, 21, 13, 22, 14, 15, 23, 24, 25]
+        assert s.loss_mask == [0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1]
+        assert s.behaviour_logprobs == pytest.approx([0, 0, 0, -0.1, -0.2, 0, -0.1, 0, 0, -0.1, -0.2, -0.3])
+        assert s.reward == 2.0  # the chain ends at the last turn: no discount
+        assert s.step_ids == ["s1-0", "s1-1", "s1-2"]
+
+
+def test_broken_chain_auto_per_step_concat_segments():
+    s0, s1, s2 = chained_session()
+    # turn 2's prompt was rebuilt differently (e.g. context compaction): no longer a token prefix
+    s2.prompt_ids = [10, 99, 13, 22, 14]
+    auto = build_samples([s0, s1, s2], mode="auto", turn_discount=0.5, max_len=100)
+    assert [s.step_ids for s in auto] == [["s1-0"], ["s1-1"], ["s1-2"]]
+    concat = build_samples([s0, s1, s2], mode="concat", turn_discount=0.5, max_len=100)
+    assert [s.step_ids for s in concat] == [["s1-0", "s1-1"], ["s1-2"]]
+    assert [s.reward for s in concat] == [0.5, 1.0]  # a segment takes its last turn's discounted reward
+    assert concat[1].input_ids == [10, 99, 13, 22, 14, 23, 24, 25]
+
+
+def test_redacted_output_tokens_are_not_trained():
+    s = step("a", 0, [5, 6], [7, 8, 9], mask=[1, 0, 1], exact=False)
+    (sample,) = build_samples([s], mode="per_step", turn_discount=1.0, max_len=100)
+    # the re-derived prompt is still context; the redacted output token stays in place, untrained
+    assert sample.input_ids == [5, 6, 7, 8, 9]
+    assert sample.loss_mask == [0, 0, 1, 0, 1]
+    assert sample.behaviour_logprobs == pytest.approx([0, 0, -0.1, 0, -0.3])
+
+
+def test_missing_engine_logprob_is_not_trained():
+    s = step("a", 0, [5, 6], [7, 8])
+    s.behaviour_logprobs = [math.nan, -0.5]
+    (sample,) = build_samples([s], mode="per_step", turn_discount=1.0, max_len=100)
+    assert sample.loss_mask == [0, 0, 0, 1]
+    assert sample.behaviour_logprobs == [0, 0, 0, -0.5]
+
+
+def test_fully_masked_step_makes_no_sample():
+    s = step("a", 0, [5, 6], [7, 8], mask=[0, 0])
+    assert build_samples([s], mode="per_step", turn_discount=1.0, max_len=100) == []
+
+
+def test_groups_only_when_several_sessions_share_a_task():
+    steps = (
+        chained_session("x", task="t1") + chained_session("y", task="t1") + chained_session("z", task="t2")
+    )
+    steps += [step("n", 0, [1, 2], [3], session="n", task=None)]
+    samples = build_samples(steps, mode="auto", turn_discount=1.0, max_len=100)
+    by_step = {s.step_ids[-1]: s.group for s in samples}
+    assert by_step == {"x-2": "t1", "y-2": "t1", "z-2": "", "n": ""}
+
+
+def test_truncation_keeps_the_left_and_drops_empty_samples():
+    s = step("a", 0, [1, 2, 3], [4, 5, 6])
+    (sample,) = build_samples([s], mode="per_step", turn_discount=1.0, max_len=4)
+    assert sample.input_ids == [1, 2, 3, 4]
+    assert sample.loss_mask == [0, 0, 0, 1]
+    assert sample.behaviour_logprobs == pytest.approx([0, 0, 0, -0.1])
+    assert build_samples([s], mode="per_step", turn_discount=1.0, max_len=3) == []
+
+
+def test_first_token_is_never_trainable():
+    s = step("a", 0, [], [4, 5])
+    (sample,) = build_samples([s], mode="per_step", turn_discount=1.0, max_len=10)
+    assert sample.loss_mask == [0, 1]
+
+
+def test_stale_steps_are_split_off_and_stay_as_context_in_concat():
+    s0, s1, s2 = chained_session()
+    s1.version_lag = 5
+    fresh, stale = split_stale([s0, s1, s2], max_version_lag=2)
+    assert [s.step_id for s in stale] == ["s1-1"]
+    (sample,) = build_samples(fresh, mode="concat", turn_discount=1.0, max_len=100)
+    assert sample.step_ids == ["s1-0", "s1-2"]
+    # turn 1's output token (22) is in the sequence but not trained
+    assert sample.input_ids[6] == 22 and sample.loss_mask[6] == 0
+    assert sample.loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+
+
+def test_inconsistent_step_is_rejected():
+    s = step("a", 0, [1], [2, 3])
+    s.output_versions = ["v1"]
+    with pytest.raises(ValueError):
+        build_samples([s], mode="per_step", turn_discount=1.0, max_len=10)
+
+
+def test_pack_pads_right_and_spreads_advantages():
+    a = build_samples(
+        [step("a", 0, [1, 2], [3, 4], session="a", reward=1.0)], mode="per_step", turn_discount=1, max_len=50
+    )
+    b = build_samples(
+        [step("b", 0, [1], [5], session="b", reward=0.0)], mode="per_step", turn_discount=1, max_len=50
+    )
+    batch = pack(a + b, pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4], [1, 5, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    # leave-one-out baselines: 1 - 0 and 0 - 1
+    assert batch["advantages"].tolist() == [[0, 0, 1, 1], [0, -1, 0, 0]]
+    torch.testing.assert_close(
+        batch["behaviour_logprobs"], torch.tensor([[0, 0, -0.1, -0.2], [0, -0.1, 0, 0]])
+    )
+    assert batch["position_ids"][1].tolist() == [0, 1, 2, 3]
+    assert batch["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_split_for_ranks_and_micro_batches():
+    samples = []
+    for i in range(5):
+        samples += build_samples(
+            [step(f"s{i}", 0, [1] * (i + 2), [7, 8], session=f"s{i}", reward=float(i))],
+            mode="per_step",
+            turn_discount=1,
+            max_len=50,
+        )
+    adv = [float(i) for i in range(5)]
+    parts = [split_for_ranks(samples, adv, rank=r, world=2) for r in range(2)]
+    ids = sorted(s.step_ids[0] for part, _ in parts for s in part)
+    assert ids == ["s0", "s1", "s2", "s3", "s4"]  # every sample exactly once
+    assert {len(parts[0][0]), len(parts[1][0])} == {2, 3}
+    for part, part_adv in parts:  # advantages travel with their samples
+        assert [float(s.step_ids[0][1:]) for s in part] == part_adv
+
+    # more ranks than samples: the extra rank gets a sample with nothing to train
+    extra, extra_adv = split_for_ranks(samples[:1], adv[:1], rank=1, world=2)
+    assert len(extra) == 1 and sum(extra[0].loss_mask) == 0 and extra_adv == [0.0]
+
+    mbs = micro_batches(samples, adv, pad_id=0, max_tokens=14)
+    assert all(mb["input_ids"].numel() <= 14 or mb["input_ids"].shape[0] == 1 for mb in mbs)
+    assert sum(mb["input_ids"].shape[0] for mb in mbs) == 5
+    # each sample's advantage lands on its 2 trainable tokens, in whichever micro-batch it went to
+    assert sum(mb["advantages"].sum().item() for mb in mbs) == pytest.approx(2 * sum(adv))

@@ -1,0 +1,288 @@
+"""Training samples from the token ids the engine produced (never re-tokenized).
+
+A captured step is a prompt (token ids the engine saw) and an output (token ids it sampled, each with
+the engine's logprob and weight version). A `Sample` is one training sequence:
+
+    input_ids            prompt tokens ... output tokens ... (more turns in concat mode)
+    loss_mask            0 ............. 1 1 1 1 (0 where redacted or stale)
+    behaviour_logprobs   0 ............. engine logprob of that token, aligned to input_ids
+
+Conventions used everywhere in the trainer: position i of every per-token list or tensor is about
+token input_ids[i], predicted from input_ids[:i]. Position 0 is never trainable.
+
+Truncation (`max_len`): a sample longer than `max_len` is cut on the *right*. The kept output tokens
+still see exactly the context the engine saw, so their behaviour logprobs stay valid; cutting on the
+left would change every logprob. A sample with no trainable token left (prompt alone >= max_len) is
+dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+Mode = Literal["per_step", "concat", "auto"]
+
+
+@dataclass
+class StepTokens:
+    """One captured LLM call, as the lease layer hands it to the trainer."""
+
+    step_id: str
+    session_id: str
+    task_id: str | None
+    seq: int  # order of the step inside its session
+    prompt_ids: list[int]
+    output_ids: list[int]
+    behaviour_logprobs: list[float]  # one per output token, from the engine
+    output_versions: list[str]  # weight version that produced each output token
+    output_mask: list[int]  # 1 = trainable; 0 = masked by redaction
+    prompt_exact: bool  # False: prompt tokens were re-derived (redaction); usable as context only
+    reward: float  # the session's reward as seen by this step
+    version_lag: int  # how many weight versions behind the current one this step's oldest token is
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]  # aligned to input_ids; 0 where loss_mask is 0
+    reward: float
+    group: str  # task id when >= 2 sessions of the batch share it, else "" (batch baseline)
+    step_ids: list[str]
+
+
+def split_stale(
+    steps: Sequence[StepTokens], *, max_version_lag: int
+) -> tuple[list[StepTokens], list[StepTokens]]:
+    """(fresh, stale): steps more than `max_version_lag` versions old are not trained on.
+
+    The caller marks the stale ones in the store. Passing only the fresh steps to `build_samples`
+    still works in concat mode: a dropped turn's tokens stay in the sequence as context.
+    """
+    fresh = [s for s in steps if s.version_lag <= max_version_lag]
+    stale = [s for s in steps if s.version_lag > max_version_lag]
+    return fresh, stale
+
+
+def extends(prev: StepTokens, step: StepTokens) -> bool:
+    """True when `step`'s prompt starts with prev's prompt + output, token for token."""
+    head = prev.prompt_ids + prev.output_ids
+    return len(step.prompt_ids) >= len(head) and step.prompt_ids[: len(head)] == head
+
+
+def _check(step: StepTokens) -> None:
+    n = len(step.output_ids)
+    if not (len(step.behaviour_logprobs) == len(step.output_versions) == len(step.output_mask) == n):
+        raise ValueError(f"step {step.step_id}: per-output-token lists must all have {n} entries")
+
+
+def _output_targets(step: StepTokens) -> tuple[list[int], list[float]]:
+    """Loss mask and behaviour logprobs for a step's output tokens."""
+    mask = []
+    for keep, lp in zip(step.output_mask, step.behaviour_logprobs, strict=True):
+        # A missing/invalid engine logprob makes the token untrainable: no importance weight.
+        mask.append(1 if keep and math.isfinite(lp) else 0)
+    logps = [lp if m else 0.0 for m, lp in zip(mask, step.behaviour_logprobs, strict=True)]
+    return mask, logps
+
+
+def _per_step_sample(step: StepTokens, reward: float) -> Sample:
+    mask, logps = _output_targets(step)
+    n_prompt = len(step.prompt_ids)
+    return Sample(
+        input_ids=step.prompt_ids + step.output_ids,
+        loss_mask=[0] * n_prompt + mask,
+        behaviour_logprobs=[0.0] * n_prompt + logps,
+        reward=reward,
+        group="",
+        step_ids=[step.step_id],
+    )
+
+
+def _concat_sample(chain: list[StepTokens], reward: float) -> Sample:
+    """One sequence for a chain where each prompt extends the previous prompt + output."""
+    last = chain[-1]
+    input_ids = last.prompt_ids + last.output_ids
+    loss_mask = [0] * len(input_ids)
+    logps = [0.0] * len(input_ids)
+    for step in chain:
+        # Each step's output sits right after its own prompt inside the final sequence.
+        start = len(step.prompt_ids)
+        mask, lps = _output_targets(step)
+        loss_mask[start : start + len(mask)] = mask
+        logps[start : start + len(lps)] = lps
+    return Sample(input_ids, loss_mask, logps, reward, "", [s.step_id for s in chain])
+
+
+def _chains(steps: list[StepTokens]) -> list[list[StepTokens]]:
+    """Maximal runs of consecutive steps where each one extends the previous one."""
+    chains = [[steps[0]]]
+    for step in steps[1:]:
+        if extends(chains[-1][-1], step):
+            chains[-1].append(step)
+        else:
+            chains.append([step])
+    return chains
+
+
+def _truncate(sample: Sample, max_len: int) -> Sample | None:
+    if len(sample.input_ids) > max_len:
+        sample = replace(
+            sample,
+            input_ids=sample.input_ids[:max_len],
+            loss_mask=sample.loss_mask[:max_len],
+            behaviour_logprobs=sample.behaviour_logprobs[:max_len],
+        )
+    # Position 0 has no context to be predicted from.
+    sample.loss_mask[0] = 0
+    sample.behaviour_logprobs[0] = 0.0
+    return sample if any(sample.loss_mask) else None
+
+
+def build_samples(
+    steps: Sequence[StepTokens],
+    *,
+    mode: Mode,
+    turn_discount: float,
+    max_len: int,
+) -> list[Sample]:
+    """Turn captured steps into training samples.
+
+    per_step: one sample per step; turn t of a T-step session gets reward * discount**(T-1-t), so
+      the final turn gets the full session reward and earlier turns less.
+    concat: one sample per maximal chain of steps that extend each other token for token (a
+      session that never breaks the chain becomes one sample); the chain's reward is its last step's
+      per-step reward.
+    auto: concat for a session whose steps all form one chain, else per_step for that session.
+
+    Steps of a session should all be passed together (T counts the steps given). The group of a
+    sample is its task id when at least two sessions in `steps` share that task, else "".
+    """
+    by_session: dict[str, list[StepTokens]] = defaultdict(list)
+    for step in steps:
+        _check(step)
+        by_session[step.session_id].append(step)
+
+    # Which task ids are shared by several sessions: only those get a group baseline.
+    sessions_per_task: dict[str, set[str]] = defaultdict(set)
+    for step in steps:
+        if step.task_id is not None:
+            sessions_per_task[step.task_id].add(step.session_id)
+
+    samples: list[Sample] = []
+    for session_steps in by_session.values():
+        session_steps.sort(key=lambda s: s.seq)
+        n_turns = len(session_steps)
+        # Per-step reward: the last turn gets the full reward, each earlier turn one more discount.
+        turn_reward = {
+            s.step_id: s.reward * turn_discount ** (n_turns - 1 - t) for t, s in enumerate(session_steps)
+        }
+        chains = _chains(session_steps)
+        if mode == "per_step" or (mode == "auto" and len(chains) > 1):
+            built = [_per_step_sample(s, turn_reward[s.step_id]) for s in session_steps]
+        elif mode in ("concat", "auto"):
+            built = [_concat_sample(c, turn_reward[c[-1].step_id]) for c in chains]
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+
+        task = session_steps[0].task_id
+        group = task if task is not None and len(sessions_per_task[task]) >= 2 else ""
+        for sample in built:
+            sample.group = group
+            kept = _truncate(sample, max_len)
+            if kept is not None:
+                samples.append(kept)
+    return samples
+
+
+def split_for_ranks(
+    samples: Sequence[Sample], advantages: Sequence[float], *, rank: int, world: int
+) -> tuple[list[Sample], list[float]]:
+    """This rank's share of the batch, balanced by length (longest first, round-robin).
+
+    Every rank gets at least one sample so that all ranks run the same collectives; a rank left
+    without one gets a copy of the first sample with its loss mask zeroed (no gradient).
+    """
+    if not samples:
+        raise ValueError("empty batch")
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+    mine = order[rank::world]
+    if not mine:
+        s = samples[order[0]]
+        blank = replace(s, loss_mask=[0] * len(s.loss_mask), behaviour_logprobs=[0.0] * len(s.loss_mask))
+        return [blank], [0.0]
+    return [samples[i] for i in mine], [advantages[i] for i in mine]
+
+
+def pack(
+    samples: Sequence[Sample],
+    pad_id: int,
+    advantages: Sequence[float] | None = None,
+    *,
+    normalize_std: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for one forward pass.
+
+    `advantages` (one per sample) should come from the whole batch across ranks; when None they are
+    computed from these samples alone with `loss.group_advantages`. Keys (all [B, T] unless noted):
+    input_ids, attention_mask, position_ids, loss_mask (float), behaviour_logprobs (fp32),
+    advantages (fp32, the sample's advantage on each trainable token, 0 elsewhere), rewards ([B]).
+    """
+    if advantages is None:
+        from trainer.loss import group_advantages
+
+        advantages = group_advantages(
+            [s.reward for s in samples], [s.group for s in samples], normalize_std=normalize_std
+        )
+    width = max(len(s.input_ids) for s in samples)
+    n = len(samples)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    behaviour = torch.zeros((n, width), dtype=torch.float32)
+    adv = torch.zeros((n, width), dtype=torch.float32)
+    for i, (s, a) in enumerate(zip(samples, advantages, strict=True)):
+        t = len(s.input_ids)
+        input_ids[i, :t] = torch.tensor(s.input_ids)
+        attention_mask[i, :t] = 1
+        loss_mask[i, :t] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        behaviour[i, :t] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        adv[i, :t] = a * loss_mask[i, :t]
+    # Right padding: real tokens sit at positions 0..t-1; padding positions are never attended to.
+    position_ids = torch.arange(width).expand(n, width).clone()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "loss_mask": loss_mask,
+        "behaviour_logprobs": behaviour,
+        "advantages": adv,
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+    }
+
+
+def micro_batches(
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    *,
+    pad_id: int,
+    max_tokens: int,
+) -> list[dict[str, torch.Tensor]]:
+    """Packs samples into micro-batches of at most `max_tokens` padded tokens each (at least one
+    sample per micro-batch). Sorting by length keeps padding low."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
+    batches: list[list[int]] = []
+    for i in order:
+        current = batches[-1] if batches else None
+        # Padded size if sample i joins: every row is as long as the longest (which is i, sorted).
+        if current is not None and (len(current) + 1) * len(samples[i].input_ids) <= max_tokens:
+            current.append(i)
+        else:
+            batches.append([i])
+    return [pack([samples[i] for i in b], pad_id, [advantages[i] for i in b]) for b in batches]
