@@ -23,9 +23,8 @@ from proxy.auth import Principal, hash_key, key_from_headers
 from proxy.config import Settings
 from proxy.errors import ApiError, Flavor, error_response, flavor_for_path
 from proxy.sessions import ContinuationIndex, StepLink
-from proxy.spool import Spool
 from proxy.upstream import ReplicaPool, make_client, make_session
-from proxy.writer import Recorder
+from proxy.writer_process import WriterProcess, build_recorder
 
 log = logging.getLogger("atdp.app")
 
@@ -35,7 +34,7 @@ class AppState:
     settings: Settings
     pool: ReplicaPool
     index: ContinuationIndex
-    recorder: Recorder
+    recorder: Any  # proxy.writer.Recorder (thread mode) or proxy.writer_process.WriterProcess
     tracer: telemetry.Tracer
     factory: Any = None  # sqlalchemy sessionmaker, None until the database is reachable
     engine: Any = None
@@ -158,8 +157,7 @@ def _connect_database(state: AppState) -> None:
             engine = db.make_engine(url)
             state.engine = engine
             state.factory = db.session_factory(engine)
-            state.recorder.factory = state.factory
-            state.recorder.db_ok = True
+            state.recorder.connect(url, state.factory)
             state.load_keys()
             _warm_index(state)
             for hook in state.extra.get("on_db", []):
@@ -171,21 +169,39 @@ def _connect_database(state: AppState) -> None:
             time.sleep(2.0)
 
 
+class LazyRedactor:
+    """An in-process Redactor built on first use (Presidio takes a second to load)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._r = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._r is None:
+                from proxy.redaction import RedactionConfig, Redactor
+
+                self._r = Redactor(RedactionConfig(salt=self._secret))
+            return self._r
+
+    def redact_value(self, value, tenant: str, **kw):
+        return self.get().redact_value(value, tenant, **kw)
+
+    def redact_text(self, text: str, tenant: str):
+        return self.get().redact_text(text, tenant)
+
+    def redact_many(self, items, **kw):
+        return [self.get().redact_value(v, tenant) for tenant, v in items]
+
+
 def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) -> FastAPI:
-    from proxy import governance, tenants
-
-    tenants.configure(settings.policy_file, production=settings.production)
-    if redactor is None:
-        from proxy.redaction import RedactionConfig, RedactionPool
-
-        redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=settings.redaction_workers or None,
-                                 inline_chars=0)
-    recorder = Recorder(
-        secret=settings.secret, factory=None, spool=Spool(settings.spool_dir), redactor=redactor,
-        policy_for=lambda s, tenant: tenants.policy_for(s, tenant) if s is not None else tenants.base_policy(tenant),
-        queue_size=settings.queue_size, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s,
-        token_policy=getattr(governance, "token_policy", None),
-    )
+    if redactor is None and settings.writer_mode == "process":
+        recorder = WriterProcess(settings)
+        redactor = LazyRedactor(settings.secret)  # for the few texts control routes persist (feedback)
+    else:
+        recorder = build_recorder(settings, redactor=redactor)
+        redactor = recorder.redactor
     state = AppState(
         settings=settings,
         pool=ReplicaPool(settings.upstream_urls, hold_timeout_s=settings.swap_hold_timeout_s),
@@ -216,7 +232,7 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
             await state.client.aclose()
             await state.http.close()
             await asyncio.to_thread(recorder.stop)
-            if hasattr(redactor, "close"):
+            if redactor is not None and hasattr(redactor, "close"):
                 redactor.close()
             state.tracer.shutdown()
             if state.engine is not None:

@@ -56,7 +56,12 @@ class Settings:
     session_ttl_s: float = 24 * 3600.0
     otel_exporter: str = "none"  # none | console | otlp
     secret: bytes = b""
-    redaction_workers: int = 0  # 0: one per core
+    redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use
+    writer_mode: str = "process"  # process: redaction + writes in a child process; thread: in-process
+    # The served model's tokenizer (model folder or tokenizer.json): lets the proxy keep token ids of
+    # steps that touched redacted text, cleaned; without it those ids are dropped.
+    tokenizer: str | None = None
+    retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
 
     @property
     def spool_dir(self) -> Path:
@@ -106,6 +111,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     s.swap_hold_timeout_s = float(get("ATDP_SWAP_HOLD_TIMEOUT_S") or s.swap_hold_timeout_s)
     s.otel_exporter = (get("ATDP_OTEL_EXPORTER") or s.otel_exporter).lower()
     s.redaction_workers = int(get("ATDP_REDACTION_WORKERS") or 0)
+    s.writer_mode = (get("ATDP_WRITER") or s.writer_mode).lower()
+    s.tokenizer = get("ATDP_TOKENIZER") or None
+    s.retention_interval_s = float(get("ATDP_RETENTION_INTERVAL_S") or s.retention_interval_s)
     s.secret = _load_secret(home, get("ATDP_SECRET"))
     return s
 

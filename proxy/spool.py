@@ -1,6 +1,6 @@
 """An append-only, fsync'd local spool of redacted step records, for when PostgreSQL is away.
 
-Records go to numbered segment files (`000001.jsonl`, ...). Appends fsync before returning, so a
+Records go to segment files named by creation time (`<ns>-<pid>.jsonl`). Appends fsync before returning, so a
 record acknowledged to the spool survives a crash. Draining rotates to a fresh segment first, then
 replays closed segments oldest first and deletes each only after its records are committed.
 Replays are safe to repeat: the store ignores step ids it already has.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,9 +30,29 @@ class Spool:
         return sorted(self.dir.glob("*.jsonl"))
 
     def _next_path(self) -> Path:
-        existing = self.segments()
-        n = int(existing[-1].stem) + 1 if existing else 1
-        return self.dir / f"{n:06d}.jsonl"
+        # Named by creation time and process: several processes may add segments (the writer, and
+        # the proxy when its queue overflows); replay order is creation order.
+        return self.dir / f"{time.time_ns():020d}-{os.getpid()}.jsonl"
+
+    def append_segment(self, records: list[dict]) -> None:
+        """Write records as one closed segment, atomically (temp file, fsync, rename)."""
+        if not records:
+            return
+        data = b"".join(orjson.dumps(r, option=orjson.OPT_NAIVE_UTC) + b"\n" for r in records)
+        final = self._next_path()
+        tmp = final.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def append(self, records: list[dict]) -> None:
         if not records:

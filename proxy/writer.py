@@ -68,6 +68,11 @@ class TokenCache:
     def get(self, step_id: str | None) -> array | None:
         return self._items.get(step_id) if step_id else None
 
+    def drop(self, step_id: str) -> None:
+        old = self._items.pop(step_id, None)
+        if old is not None:
+            self._total -= len(old)
+
 
 def common_prefix(a, b) -> int:
     n = min(len(a), len(b))
@@ -106,7 +111,7 @@ class Recorder:
         self._prepare_lock = threading.Lock()
         self.db_ok = factory is not None
         self._next_retry = 0.0
-        self.stats = {"submitted": 0, "written": 0, "spooled": 0, "overflow": 0, "errors": 0}
+        self.stats = {"submitted": 0, "processed": 0, "written": 0, "spooled": 0, "overflow": 0, "errors": 0}
 
     # --- the request path ---------------------------------------------------------------------
 
@@ -122,6 +127,11 @@ class Recorder:
 
     def start(self) -> None:
         self._thread.start()
+
+    def connect(self, url: str, factory: sessionmaker[Session]) -> None:
+        """The database is reachable (now, or again after start-up): write to it from here on."""
+        self.factory = factory
+        self.db_ok = True
 
     def stop(self, timeout: float = 30.0) -> None:
         """Flush what is queued (to the database, or the spool) and stop."""
@@ -179,6 +189,7 @@ class Recorder:
                 self.stats["errors"] += 1
                 log.exception("writer failed on a batch of %d steps", len(batch))
             finally:
+                self.stats["processed"] += len(batch)
                 for _ in range(got):
                     self.queue.task_done()
 
@@ -293,14 +304,28 @@ class Recorder:
             planned.append((st, refs))
 
         # 2. Redact each distinct new content once (in parallel when a pool is configured).
+        # A token guard (proxy.governance.TokenGuard) also gets the raw values removed, kept in memory
+        # only, so it can find them in token ids.
+        remember = getattr(self.token_policy, "remember", None)
         keys = list(todo)
         if keys:
             values = [(tenant, todo[(tenant, h)][1]) for tenant, h in keys]
-            if hasattr(self.redactor, "redact_many"):
-                results = self.redactor.redact_many(values)
+            if remember is None:
+                if hasattr(self.redactor, "redact_many"):
+                    results = self.redactor.redact_many(values)
+                else:
+                    results = [self.redactor.redact_value(v, tenant) for tenant, v in values]
+            elif hasattr(self.redactor, "redact_many"):
+                results = self.redactor.redact_many(values, with_values=True)
             else:
-                results = [self.redactor.redact_value(v, tenant) for tenant, v in values]
+                results = []
+                for tenant, v in values:
+                    found: list[tuple[str, str]] = []
+                    results.append((*self.redactor.redact_value(v, tenant, found=found), found))
             redacted = {k: r for k, r in zip(keys, results, strict=True)}
+            if remember is not None:
+                for (tenant, h), r in redacted.items():
+                    remember(tenant, h, r[2])
         else:
             redacted = {}
 
@@ -312,7 +337,7 @@ class Recorder:
             counts_of: dict[str, dict[str, int]] = {}
             for h, (kind, value) in refs["items"].items():
                 if (tenant, h) in redacted:
-                    body, counts = redacted[(tenant, h)]
+                    body, counts = redacted[(tenant, h)][:2]
                     contents.append(ContentRow(hash=h, kind=kind, body=body, size=len(canonical(value)),
                                                redaction=dict(counts)))
                     self._known.put((tenant, h), dict(counts))
@@ -346,7 +371,8 @@ class Recorder:
         output_mask = None
         if has_tokens and (prompt_dirty or output_counts):
             if self.token_policy is not None:
-                decision = self.token_policy(st, prompt_dirty=prompt_dirty, output_counts=output_counts)
+                decision = self.token_policy(st, prompt_dirty=prompt_dirty, output_counts=output_counts,
+                                             parent_dirty=parent_dirty, refs=refs, counts_of=counts_of)
                 token_source = decision.source
                 prompt_ids, output_ids, logprobs = decision.prompt_ids, decision.output_ids, decision.logprobs
                 versions, output_mask = decision.versions, decision.output_mask
@@ -357,9 +383,9 @@ class Recorder:
         # Store the prompt as the suffix after the parent's prompt+output (history stored once).
         prefix_len = 0
         parent_seq = self.tokens.get(st.parent_step_id)
-        if token_source == "engine" and parent_seq is not None:
+        if token_source in ("engine", "rederived") and parent_seq is not None:
             prefix_len = common_prefix(parent_seq, prompt_ids)
-        if token_source == "engine":
+        if token_source in ("engine", "rederived"):  # cached as stored, so prefixes rebuild exactly
             self.tokens.put(st.step_id, prompt_ids + output_ids)
 
         eligibility, reason = decide_eligibility(
@@ -384,6 +410,23 @@ class Recorder:
             prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, redaction=report,
             eligibility=eligibility, eligibility_reason=reason, retention_until=retention, replay_of=st.replay_of,
         )
+
+    def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:
+        """Drop what memory holds of forgotten steps and contents (all of a tenant's when hashes is None),
+        so a deleted content is written again, not assumed stored. Called by proxy.forget's callers."""
+        with self._prepare_lock:
+            if content_hashes is None:
+                for key in [k for k in self._known if k[0] == tenant]:
+                    del self._known[key]
+            else:
+                for h in content_hashes:
+                    self._known.pop((tenant, h), None)
+            for sid in step_ids:
+                self._context_redacted.pop(sid, None)
+                self.tokens.drop(sid)
+            self._policies.pop(tenant, None)
+            if hasattr(self.token_policy, "forget"):
+                self.token_policy.forget(tenant, content_hashes=content_hashes, step_ids=step_ids)
 
     def _redacted_args(self, tc: dict, refs: dict, st: CapturedStep) -> Any:
         """A tool call's arguments as stored: taken from the redacted output content."""

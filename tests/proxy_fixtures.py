@@ -69,10 +69,12 @@ def start_proxy(db_url, tmp_path) -> Callable[..., RunningProxy]:
         tenant = overrides.pop("tenant", None) or f"t-{uuid.uuid4().hex[:8]}"
         settings = Settings(home=home or tmp_path / f"home-{len(running)}", database_url=database_url or db_url,
                             upstream_urls=upstreams, open_mode=True, default_tenant=tenant,
-                            secret=b"test-secret", admin_key="admin-test-key")
+                            secret=b"test-secret", admin_key="admin-test-key", writer_mode="thread")
         for k, v in overrides.items():
             setattr(settings, k, v)
-        app = create_app(settings, redactor=shared_redactor(settings.secret))
+        # Thread mode shares one in-process redactor across tests (fast); process mode is production's.
+        process = settings.writer_mode == "process"
+        app = create_app(settings, redactor=None if process else shared_redactor(settings.secret))
         server = ServerThread(app).start()
         state = app.state.atdp
         if wait_db:

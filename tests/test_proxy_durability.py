@@ -38,7 +38,7 @@ def _start(server) -> None:
 
 def test_zero_steps_lost_across_postgres_restart(start_proxy, fake_upstream, tmp_path):
     server, url = _own_postgres()
-    proxy = start_proxy([fake_upstream.url], database_url=url)
+    proxy = start_proxy([fake_upstream.url], database_url=url, writer_mode="process")
     n = 240
     ok = []
     stopped = threading.Event()
@@ -80,7 +80,7 @@ def test_spool_replays_at_next_start(start_proxy, fake_upstream, tmp_path, facto
     """Steps spooled while the database was unreachable are written when a proxy starts again."""
     home = tmp_path / "home"
     bad_url = "postgresql://postgres@127.0.0.1:1/nowhere"
-    proxy = start_proxy([fake_upstream.url], database_url=bad_url, home=home, wait_db=False)
+    proxy = start_proxy([fake_upstream.url], database_url=bad_url, home=home, wait_db=False, writer_mode="process")
     for i in range(5):
         r = httpx.post(proxy.v1 + "/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": f"s{i}"}]})
         assert r.status_code == 200
