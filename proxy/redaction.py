@@ -542,10 +542,13 @@ class Redactor:
         digest = hmac.new(_hash_key(self.config.salt, tenant), value.encode(), hashlib.sha256)
         return f"<{entity}:{digest.hexdigest()[:8]}>"
 
-    def redact_text(self, text: str, tenant: str) -> RedactionResult:
-        return self._apply(text, self.analyze(text), tenant)
+    def redact_text(self, text: str, tenant: str, *, found: list[tuple[str, str]] | None = None) -> RedactionResult:
+        """Redact one text. With `found`, each removed raw value and its replacement are appended to it
+        (in memory only: the governance token guard needs them to clean token ids; never persist them)."""
+        return self._apply(text, self.analyze(text), tenant, found)
 
-    def _apply(self, text: str, spans: list[tuple[int, int, str, float]], tenant: str) -> RedactionResult:
+    def _apply(self, text: str, spans: list[tuple[int, int, str, float]], tenant: str,
+               found: list[tuple[str, str]] | None = None) -> RedactionResult:
         if not spans:
             return RedactionResult(text, {}, [])
         out: list[str] = []
@@ -554,33 +557,38 @@ class Redactor:
         for start, end, entity, _ in spans:
             out.append(text[pos:start])
             out.append(self._replacement(entity, text[start:end], tenant))
+            if found is not None:
+                found.append((text[start:end], out[-1]))
             counts[entity] = counts.get(entity, 0) + 1
             pos = end
         out.append(text[pos:])
         return RedactionResult("".join(out), counts, [(s, e, t) for s, e, t, _ in spans])
 
-    def redact_value(self, value: Any, tenant: str) -> tuple[Any, dict[str, int]]:
+    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None
+                     ) -> tuple[Any, dict[str, int]]:
         """Redact every string leaf of a JSON-like value (dict values, list items; never keys).
 
         A string that is itself a JSON object or array (tool call `arguments`, JSON tool results) is
         parsed, redacted leaf by leaf and serialised again, so it stays valid JSON; it is returned
-        unchanged when nothing in it was found.
+        unchanged when nothing in it was found. `found`: as for `redact_text`.
         """
         counts: Counter[str] = Counter()
-        return self._walk(value, tenant, counts, None), dict(counts)
+        return self._walk(value, tenant, counts, None, found), dict(counts)
 
-    def _walk(self, value: Any, tenant: str, counts: Counter[str], key: str | None) -> Any:
+    def _walk(self, value: Any, tenant: str, counts: Counter[str], key: str | None,
+              found: list[tuple[str, str]] | None = None) -> Any:
         if isinstance(value, str):
-            return self._leaf(value, tenant, counts, key)
+            return self._leaf(value, tenant, counts, key, found)
         if isinstance(value, dict):
             return {
-                k: self._walk(v, tenant, counts, k if isinstance(k, str) else None) for k, v in value.items()
+                k: self._walk(v, tenant, counts, k if isinstance(k, str) else None, found) for k, v in value.items()
             }
         if isinstance(value, (list, tuple)):
-            return [self._walk(v, tenant, counts, key) for v in value]
+            return [self._walk(v, tenant, counts, key, found) for v in value]
         return value
 
-    def _leaf(self, text: str, tenant: str, counts: Counter[str], key: str | None) -> str:
+    def _leaf(self, text: str, tenant: str, counts: Counter[str], key: str | None,
+              found: list[tuple[str, str]] | None = None) -> str:
         stripped = text.strip()
         if len(stripped) >= 2 and stripped[0] in "{[" and stripped[-1] in "}]":
             try:
@@ -589,12 +597,16 @@ class Redactor:
                 parsed = None
             if isinstance(parsed, (dict, list)):
                 inner: Counter[str] = Counter()
-                redacted = self._walk(parsed, tenant, inner, None)
+                inner_found: list[tuple[str, str]] = []
+                redacted = self._walk(parsed, tenant, inner, None, inner_found)
                 if not inner:
                     return text
                 counts.update(inner)
+                if found is not None:
+                    found.extend(inner_found)
                 return json.dumps(redacted, ensure_ascii=False)
-        result = self.redact_text(text, tenant)
+        leaf_found: list[tuple[str, str]] = []
+        result = self.redact_text(text, tenant, found=leaf_found)
         # The key of a dict leaf is context the text itself lacks: {"api_key": "..."},
         # {"Authorization": "Bearer ..."}. Used when the value alone showed nothing.
         if not result.counts and key is not None and self._key_says_secret(key, text):
@@ -603,8 +615,13 @@ class Redactor:
                 m = _AUTH_VALUE.match(text) if entity == "AUTH_HEADER" else None
                 start = m.start("s") if m else 0
                 counts[entity] += 1
-                return text[:start] + self._replacement(entity, text[start:], tenant)
+                replacement = self._replacement(entity, text[start:], tenant)
+                if found is not None:
+                    found.append((text[start:], replacement))
+                return text[:start] + replacement
         counts.update(result.counts)
+        if found is not None:
+            found.extend(leaf_found)
         return result.text
 
     @staticmethod
@@ -707,9 +724,17 @@ def _init_worker(config: RedactionConfig) -> None:
     _worker = Redactor(config)
 
 
-def _redact_chunk(items: list[tuple[str, Any]]) -> list[tuple[Any, dict[str, int]]]:
+def _redact_one(redactor: Redactor, tenant: str, value: Any, with_values: bool) -> tuple:
+    if not with_values:
+        return redactor.redact_value(value, tenant)
+    found: list[tuple[str, str]] = []
+    body, counts = redactor.redact_value(value, tenant, found=found)
+    return body, counts, found
+
+
+def _redact_chunk(items: list[tuple[str, Any]], with_values: bool = False) -> list[tuple]:
     assert _worker is not None
-    return [_worker.redact_value(value, tenant) for tenant, value in items]
+    return [_redact_one(_worker, tenant, value, with_values) for tenant, value in items]
 
 
 def _text_size(value: Any) -> int:
@@ -787,18 +812,20 @@ class RedactionPool:
         if self._executor is not None:
             list(self._executor.map(_redact_chunk, [[] for _ in range(self.max_workers)]))
 
-    def redact_many(self, items: list[tuple[str, Any]]) -> list[tuple[Any, dict[str, int]]]:
-        """`(tenant, value)` pairs in, `(redacted value, counts)` out, in order."""
-        return self.submit_many(items).result()
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]:
+        """`(tenant, value)` pairs in, `(redacted value, counts)` out, in order. With `with_values`,
+        `(redacted value, counts, found)` where `found` lists the (raw value, replacement) pairs removed
+        (for the token guard; raw, so keep them in memory only)."""
+        return self.submit_many(items, with_values=with_values).result()
 
-    def submit_many(self, items: list[tuple[str, Any]]) -> PendingRedaction:
+    def submit_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> PendingRedaction:
         """Like `redact_many` but returns at once; `.result()` waits. Lets a writer hash and queue the
         next batch while this one is scanned."""
         if not items:
             return PendingRedaction([], [])
         sizes = [_text_size(v) for _, v in items]
         if self._executor is None or len(items) == 1 or sum(sizes) < self.inline_chars:
-            done = [self.local.redact_value(value, tenant) for tenant, value in items]
+            done = [_redact_one(self.local, tenant, value, with_values) for tenant, value in items]
             return PendingRedaction([list(range(len(items)))], [_Done(done)])
         # Balance by text size, not item count: one 40 KB tool result must not sit with ten others.
         n = min(self.max_workers * 2, len(items))
@@ -809,7 +836,7 @@ class RedactionPool:
             chunks[j].append(i)
             loads[j] += sizes[i] + 200  # per-item overhead
         chunks = [c for c in chunks if c]
-        futures = [self._executor.submit(_redact_chunk, [items[i] for i in c]) for c in chunks]
+        futures = [self._executor.submit(_redact_chunk, [items[i] for i in c], with_values) for c in chunks]
         return PendingRedaction(chunks, futures)
 
     def close(self) -> None:
