@@ -196,6 +196,7 @@ class LazyRedactor:
 
 
 def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) -> FastAPI:
+    owns_redactor = redactor is None
     if redactor is None and settings.writer_mode == "process":
         recorder = WriterProcess(settings)
         redactor = LazyRedactor(settings.secret)  # for the few texts control routes persist (feedback)
@@ -232,7 +233,7 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
             await state.client.aclose()
             await state.http.close()
             await asyncio.to_thread(recorder.stop)
-            if redactor is not None and hasattr(redactor, "close"):
+            if owns_redactor and hasattr(redactor, "close"):
                 redactor.close()
             state.tracer.shutdown()
             if state.engine is not None:

@@ -93,23 +93,29 @@ class ChatShaper:
         return chunk
 
 
-async def iter_sse(resp):
-    """Yield each SSE event's `data:` payload (bytes) as it arrives."""
+async def iter_sse_batches(resp):
+    """Yield, per network read, the `data:` payloads (bytes) of the SSE events it completed.
+
+    Handling a read's events together lets the proxy answer with one write per read instead of
+    one per event: the same bytes, far fewer sends when the engine is fast.
+    """
     buf = b""
     async for raw in resp.aiter_raw():
         buf += raw
-        while True:
-            i = buf.find(b"\n\n")
-            if i < 0:
-                break
-            event, buf = buf[:i], buf[i + 2 :]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    yield line[5:].strip()
+        if b"\n\n" not in buf:
+            continue
+        done, _, buf = buf.rpartition(b"\n\n")
+        yield [line[5:].strip() for event in done.split(b"\n\n") for line in event.split(b"\n")
+               if line.startswith(b"data:")]
     if buf.strip():
-        for line in buf.split(b"\n"):
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
+        yield [line[5:].strip() for line in buf.split(b"\n") if line.startswith(b"data:")]
+
+
+async def iter_sse(resp):
+    """Yield each SSE event's `data:` payload (bytes) as it arrives."""
+    async for batch in iter_sse_batches(resp):
+        for payload in batch:
+            yield payload
 
 
 def upstream_error(resp_status: int, body: bytes) -> dict[str, Any]:
@@ -170,22 +176,27 @@ async def handle(request: Request, body: dict[str, Any], call_begin) -> Response
 async def _stream(call: Call, resp, shaper: ChatShaper):
     status, error = "aborted", {"type": "client_disconnected", "message": "the client went away mid-stream"}
     upstream_url = call.lease.replica.url if call.lease else None
+    capture = call.capture
     try:
-        async for payload in iter_sse(resp):
-            if payload == b"[DONE]":
-                yield b"data: [DONE]\n\n"
-                continue
-            chunk = orjson.loads(payload)
-            if chunk.get("error"):  # vLLM reports mid-stream failures as an error chunk
-                status, error = "error", {"type": "upstream_error", "message": str(chunk["error"].get("message", chunk["error"]))}
-                yield b"data: " + payload + b"\n\n"
-                continue
-            call.capture.feed_chunk(chunk)
-            if call.ttft_s is None and call.capture.output_token_ids:
-                call.mark_token()
-            shaped = shaper.shape_chunk(chunk)
-            if shaped is not None:
-                yield b"data: " + orjson.dumps(shaped) + b"\n\n"
+        async for batch in iter_sse_batches(resp):
+            out = bytearray()
+            for payload in batch:
+                if payload == b"[DONE]":
+                    out += b"data: [DONE]\n\n"
+                    continue
+                chunk = orjson.loads(payload)
+                if chunk.get("error"):  # vLLM reports mid-stream failures as an error chunk
+                    status, error = "error", {"type": "upstream_error", "message": str(chunk["error"].get("message", chunk["error"]))}
+                    out += b"data: " + payload + b"\n\n"
+                    continue
+                capture.feed_chunk(chunk)
+                if call.ttft_s is None and capture.output_token_ids:
+                    call.mark_token()
+                shaped = shaper.shape_chunk(chunk)
+                if shaped is not None:
+                    out += b"data: " + orjson.dumps(shaped) + b"\n\n"
+            if out:
+                yield bytes(out)
         if status == "aborted":
             status, error = "ok", None
     except httpx.HTTPError as e:
@@ -193,5 +204,5 @@ async def _stream(call: Call, resp, shaper: ChatShaper):
         body = {"error": {"message": error["message"], "type": "upstream_error", "param": None, "code": None}}
         yield b"data: " + orjson.dumps(body) + b"\n\n"
     finally:
-        calls.finish(call, status=status, error=error, native_output=call.capture.assistant_message(), upstream=upstream_url)
+        calls.finish(call, status=status, error=error, native_output=capture.assistant_message(), upstream=upstream_url)
         await calls.close_upstream(call, resp)
