@@ -61,7 +61,8 @@ class Settings:
     # The served model's tokenizer (model folder or tokenizer.json): lets the proxy keep token ids of
     # steps that touched redacted text, cleaned; without it those ids are dropped.
     tokenizer: str | None = None
-    retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
+    retention_interval_s: float = 3600.0
+    response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations stay (sealed) for previous_response_id  # how often the proxy runs the retention job
 
     @property
     def spool_dir(self) -> Path:
@@ -114,6 +115,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     s.writer_mode = (get("ATDP_WRITER") or s.writer_mode).lower()
     s.tokenizer = get("ATDP_TOKENIZER") or None
     s.retention_interval_s = float(get("ATDP_RETENTION_INTERVAL_S") or s.retention_interval_s)
+    s.response_ttl_s = float(get("ATDP_RESPONSE_TTL_S") or s.response_ttl_s)
     s.secret = _load_secret(home, get("ATDP_SECRET"))
     return s
 

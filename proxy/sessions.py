@@ -99,6 +99,9 @@ def explicit_session(headers, path_session: str | None, body: dict[str, Any]) ->
 
 # --- match keys: what must be equal for a message to count as "the same" --------------------------
 
+_COSMETIC = frozenset({"cache_control", "citations", "annotations", "logprobs", "id", "status"})
+
+
 def _text_of(content: Any) -> Any:
     if content is None:
         return ""
@@ -108,7 +111,10 @@ def _text_of(content: Any) -> Any:
         out = []
         for part in content:
             if isinstance(part, dict):
-                p = {k: v for k, v in part.items() if k not in ("cache_control", "citations", "annotations", "id", "status")}
+                if part.get("type") in ("thinking", "redacted_thinking"):
+                    continue  # like `reasoning` items: clients may clear or re-sign them; never in the prompt
+                # Cosmetic keys, and keys a client's SDK echoes back as null (`caller`, `citations`).
+                p = {k: v for k, v in part.items() if v is not None and k not in _COSMETIC}
                 if "text" in p and isinstance(p["text"], str):
                     p["text"] = p["text"].strip()
                 # input_text / output_text / text are the same words in different wrappers.
