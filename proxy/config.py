@@ -61,8 +61,8 @@ class Settings:
     # The served model's tokenizer (model folder or tokenizer.json): lets the proxy keep token ids of
     # steps that touched redacted text, cleaned; without it those ids are dropped.
     tokenizer: str | None = None
-    retention_interval_s: float = 3600.0
-    response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations stay (sealed) for previous_response_id  # how often the proxy runs the retention job
+    retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
+    response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations are kept (sealed)
 
     @property
     def spool_dir(self) -> Path:

@@ -68,6 +68,7 @@ def _session(proxy, sid: str, turns: list[str], *, task: str | None = None) -> N
         messages.append({"role": "user", "content": f"#say {text}"})
         r = c.chat.completions.create(model="fake", messages=messages, extra_headers=headers, logprobs=True)
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    proxy.flush()  # the writer is asynchronous: feedback needs the session stored
 
 
 def _feedback(proxy, sid: str, **body) -> None:
@@ -169,13 +170,13 @@ def test_once_trains_registers_lineage_and_swaps(start_proxy, fake_upstream, own
     proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
     for k in range(4):
         _session(proxy, f"s{k}", ["first", "second"], task="greet")
-        _feedback(proxy, f"s{k}", reward=float(k))
+        _feedback(proxy, f"s{k}", reward=k / 3)
     proxy.flush()
 
     (result,) = run(_cfg(url, proxy, tmp_path))
     assert result.status == "serving" and result.version == "v1"
     m = result.metrics
-    assert m["steps"] == 8 and m["samples"] == 4 and m["reward_mean"] == pytest.approx(1.5)
+    assert m["steps"] == 8 and m["samples"] == 4 and m["reward_mean"] == pytest.approx(0.5)
     ckpt = Path(m["checkpoint"])
     assert (ckpt / "model.safetensors").exists() and ckpt.parent == tmp_path / "checkpoints"
     assert fake_upstream.weights == "v1" and fake_upstream.version == "v1"
@@ -190,7 +191,7 @@ def test_once_trains_registers_lineage_and_swaps(start_proxy, fake_upstream, own
         assert {x.step_id for x in lineage} == {st.id for st in steps}
         # group baseline (4 sessions share task "greet"), normalised by the group's std
         adv = {x.session_id: (x.reward, x.advantage) for x in lineage}
-        assert sorted(r for r, _ in adv.values()) == [0.0, 1.0, 2.0, 3.0]
+        assert sorted(r for r, _ in adv.values()) == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0])
         assert sum(a for _, a in adv.values()) == pytest.approx(0.0, abs=1e-5)
         assert all(st.trained_version_id == v.id and st.lease_owner is None for st in steps)
         run_row = s.get(t.TrainingRun, v.training_run_id)
@@ -215,7 +216,7 @@ def test_failed_swap_releases_steps_and_keeps_lineage(start_proxy, fake_upstream
     proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
     for k in range(3):
         _session(proxy, f"f{k}", ["hello"])
-        _feedback(proxy, f"f{k}", reward=float(k))
+        _feedback(proxy, f"f{k}", reward=k / 2)
     proxy.flush()
     fake_upstream.fail_reload = True
     (result,) = run(_cfg(url, proxy, tmp_path))
