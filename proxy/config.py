@@ -53,6 +53,8 @@ class Settings:
     flush_interval_s: float = 0.05
     upstream_timeout_s: float = 600.0
     swap_hold_timeout_s: float = 60.0
+    swap_drain_timeout_s: float = 120.0  # how long a swap waits for a replica's in-flight calls
+    swap_load_timeout_s: float = 600.0  # how long vLLM may take to reload weights
     session_ttl_s: float = 24 * 3600.0
     otel_exporter: str = "none"  # none | console | otlp
     secret: bytes = b""
@@ -110,6 +112,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     s.queue_size = int(get("ATDP_QUEUE_SIZE") or s.queue_size)
     s.upstream_timeout_s = float(get("ATDP_UPSTREAM_TIMEOUT_S") or s.upstream_timeout_s)
     s.swap_hold_timeout_s = float(get("ATDP_SWAP_HOLD_TIMEOUT_S") or s.swap_hold_timeout_s)
+    s.swap_drain_timeout_s = float(get("ATDP_SWAP_DRAIN_TIMEOUT_S") or s.swap_drain_timeout_s)
+    s.swap_load_timeout_s = float(get("ATDP_SWAP_LOAD_TIMEOUT_S") or s.swap_load_timeout_s)
     s.otel_exporter = (get("ATDP_OTEL_EXPORTER") or s.otel_exporter).lower()
     s.redaction_workers = int(get("ATDP_REDACTION_WORKERS") or 0)
     s.writer_mode = (get("ATDP_WRITER") or s.writer_mode).lower()

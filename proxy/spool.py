@@ -67,6 +67,20 @@ class Spool:
             self._fh.flush()
             os.fsync(self._fh.fileno())
 
+    def reject(self, records: list[dict], *, reason: str) -> None:
+        """Set records the database refused aside (same redacted form), with the reason, for an operator."""
+        folder = self.dir / "rejected"
+        folder.mkdir(exist_ok=True, mode=0o700)
+        path = folder / f"{time.time_ns():020d}-{os.getpid()}.jsonl"
+        data = b"".join(orjson.dumps({"reason": reason, "record": r}, option=orjson.OPT_NAIVE_UTC) + b"\n"
+                        for r in records)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def pending(self) -> bool:
         return bool(self.segments())
 

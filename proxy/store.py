@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
@@ -112,6 +113,21 @@ class StepRecord:
         return cls(**data)
 
 
+def pg_safe(value: Any) -> Any:
+    """PostgreSQL text and JSONB cannot hold NUL characters; models can emit them. Store U+FFFD."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {pg_safe(k): pg_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [pg_safe(v) for v in value]
+    return value
+
+
+def _has_nul(value: Any) -> bool:
+    return b"\\u0000" in orjson.dumps(value)
+
+
 def rle(values: list[str]) -> list[list[Any]]:
     """Run-length encode per-token versions: ["a","a","b"] -> [["a", 2], ["b", 1]]."""
     runs: list[list[Any]] = []
@@ -148,11 +164,11 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
         for c in r.contents:
-            rows.setdefault(
-                (r.session.tenant_id, c.hash),
-                {"tenant_id": r.session.tenant_id, "hash": c.hash, "kind": c.kind, "body": c.body,
-                 "size": c.size, "redaction": c.redaction},
-            )
+            if (r.session.tenant_id, c.hash) not in rows:
+                body = pg_safe(c.body) if _has_nul(c.body) else c.body
+                rows[(r.session.tenant_id, c.hash)] = {
+                    "tenant_id": r.session.tenant_id, "hash": c.hash, "kind": c.kind, "body": body,
+                    "size": c.size, "redaction": c.redaction}
     if rows:
         ordered = [rows[k] for k in sorted(rows)]  # stable lock order across concurrent writers
         for i in range(0, len(ordered), 1000):
@@ -200,10 +216,12 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
         next_seq[sid] += 1
         step_rows.append({
             "id": r.id, "session_id": sid, "tenant_id": r.session.tenant_id, "seq": next_seq[sid],
-            "parent_step_id": r.parent_step_id, "api": r.api, "status": r.status, "error": r.error,
+            "parent_step_id": r.parent_step_id, "api": r.api, "status": r.status,
+            "error": pg_safe(r.error) if r.error and _has_nul(r.error) else r.error,
             "upstream": r.upstream, "model": r.model, "model_version": r.model_version,
             "system_hash": r.system_hash, "tools_hash": r.tools_hash, "history_len": r.history_len,
-            "message_hashes": r.message_hashes, "params": r.params, "transcript_hash": r.transcript_hash,
+            "message_hashes": r.message_hashes, "transcript_hash": r.transcript_hash,
+            "params": pg_safe(r.params) if _has_nul(r.params) else r.params,
             "output_hash": r.output_hash, "token_source": r.token_source, "prompt_prefix_len": r.prompt_prefix_len,
             "prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
             "output_logprobs": r.output_logprobs, "output_versions": r.output_versions,
@@ -214,7 +232,7 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             "visibility": r.visibility, "retention_until": r.retention_until, "replay_of": r.replay_of,
         })
         call_rows += [{"step_id": r.id, "call_id": tc.call_id, "session_id": sid, "tenant_id": r.session.tenant_id,
-                       "name": tc.name, "arguments": tc.arguments} for tc in r.tool_calls]
+                       "name": pg_safe(tc.name), "arguments": pg_safe(tc.arguments)} for tc in r.tool_calls]
         links += [(sid, r.id, tr) for tr in r.tool_results]
     s.execute(insert(t.Step), step_rows)
     if call_rows:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
 from proxy import tables as t
@@ -224,15 +225,30 @@ class Recorder:
             log.exception("could not spool %d overflow steps", len(steps))
 
     def _write_json(self, records: list[dict]) -> None:
-        recs = [StepRecord.from_json(r) for r in records]
-        with self.factory() as s, s.begin():
-            self.stats["written"] += write_steps(s, recs, new_id)
+        self._write([StepRecord.from_json(r) for r in records])
+
+    def _write(self, records: list[StepRecord]) -> None:
+        """Write a batch; a batch the database refuses for its *content* is split, and a record that
+        still fails alone is set aside in the spool's `rejected/` folder (redacted, like the spool),
+        so one bad record can never block every later write. Connection failures raise."""
+        try:
+            with self.factory() as s, s.begin():
+                self.stats["written"] += write_steps(s, records, new_id)
+            return
+        except (DataError, IntegrityError, ProgrammingError) as e:
+            if len(records) == 1:
+                self.stats["rejected"] = self.stats.get("rejected", 0) + 1
+                self.spool.reject([records[0].to_json()], reason=f"{type(e).__name__}: {str(e.orig)[:300]}")
+                log.error("step %s refused by the database (%s); set aside in the spool's rejected/ folder",
+                          records[0].id, type(e.orig).__name__)
+                return
+        for r in records:
+            self._write([r])
 
     def _persist(self, records: list[StepRecord]) -> None:
         if self.db_ok and not self.spool.pending():
             try:
-                with self.factory() as s, s.begin():
-                    self.stats["written"] += write_steps(s, records, new_id)
+                self._write(records)
                 return
             except Exception as e:
                 self.db_ok = False

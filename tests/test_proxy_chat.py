@@ -268,3 +268,39 @@ def test_models_routes_and_head(start_proxy, fake_upstream):
         client(proxy).models.retrieve("nope")
     assert httpx.get(proxy.url + "/healthz").json()["database"] is True
     assert b"atdp_requests_total" in httpx.get(proxy.url + "/metrics").content
+
+
+def test_nul_characters_in_output_are_stored(start_proxy, fake_upstream, factory):
+    """PostgreSQL refuses NUL in text; a model that emits one must not break persistence."""
+    proxy = start_proxy([fake_upstream.url])
+    r = client(proxy).chat.completions.create(model="fake", messages=[{"role": "user", "content": "#say a\x00b"}])
+    assert "\x00" in r.choices[0].message.content  # the client gets exactly what the model said
+    (step,) = proxy.steps(factory)
+    with factory() as s:
+        body = s.get(t.Content, (proxy.tenant, step.output_hash)).body
+    assert body["text"] == "[w0] a\ufffdb"
+    assert 0 in step.output_token_ids  # token ids are numbers: kept exactly
+
+
+def test_a_record_the_database_refuses_is_set_aside_not_blocking(start_proxy, fake_upstream, factory):
+    proxy = start_proxy([fake_upstream.url])
+    rec = proxy.state.recorder
+    good = httpx.post(proxy.v1 + "/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "one"}]})
+    proxy.flush()
+    # A record PostgreSQL cannot take (a token id beyond int4), then ordinary traffic.
+    from proxy.ids import new_id
+    from proxy.store import SessionInfo, StepRecord
+
+    with factory() as s:
+        row = s.get(t.Step, good.headers["x-atdp-step-id"])
+    bad = StepRecord(id=new_id(), session=SessionInfo(tenant_id=proxy.tenant, external_id="bad"),
+                     api="chat.completions", status="ok", started_at=row.started_at, token_source="engine",
+                     output_token_ids=[2**40], eligibility="eligible")
+    rec._persist([bad])
+    for i in range(3):
+        httpx.post(proxy.v1 + "/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": f"after {i}"}]})
+    steps = proxy.steps(factory)
+    assert len(steps) == 4  # the bad record did not stop the writer
+    rejected = list((proxy.state.settings.spool_dir / "rejected").glob("*.jsonl"))
+    assert len(rejected) == 1 and b"out of range" in rejected[0].read_bytes()
+    assert rec.stats["rejected"] == 1

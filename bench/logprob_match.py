@@ -1,0 +1,117 @@
+"""Token exactness: trainer logprobs of captured output tokens vs vLLM's behaviour logprobs.
+
+Starts vLLM (CPU) on the tiny model, swaps in a fresh version (the model re-written by the trainer's
+checkpoint writer, loaded through the dev-mode reload, as a trained version is), samples answers at
+temperature 1 with logprobs, and recomputes each output token's logprob with the trainer's
+`token_logprobs` on the same checkpoint, in several trainer numerics:
+
+    fp32        fp32 weights, fp32 compute (the trainer's default)
+    bf16        bf16 weights and compute, fp32 log-softmax (the engine's dtype)
+
+Reports the median and p90 of |logp_train - logp_behaviour| overall and by output position.
+`--engine-dtype float32` serves the engine in fp32 instead: if the gap closes there, it is the
+engine's bf16 numerics, not a token or alignment error.
+
+  python bench/logprob_match.py [--engine-dtype bfloat16|float32] [--requests 16] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from proxy.vllm_launcher import VLLMServer, find_vllm_python  # noqa: E402
+from trainer.batch import StepTokens, build_samples, pack  # noqa: E402
+from trainer.checkpoint import gather_full_state_dict, write_checkpoint  # noqa: E402
+from trainer.loss import token_logprobs  # noqa: E402
+from trainer.model import load_model  # noqa: E402
+from trainer.model_zoo import cached_tiny_model  # noqa: E402
+
+QUESTIONS = ["what is 12 + 7?", "the quick brown fox", "hello there", "say a number", "write a poem",
+             "tell me about the sea", "one two three", "how are you today?"]
+
+
+def sample(base_url: str, n: int, max_tokens: int) -> list[StepTokens]:
+    steps = []
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        for i in range(n):
+            body = client.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "logprobs": True, "return_token_ids": True,
+            }).json()
+            choice = body["choices"][0]
+            out = choice["token_ids"]
+            steps.append(StepTokens(
+                step_id=str(i), session_id=str(i), task_id=None, seq=0, prompt_ids=body["prompt_token_ids"],
+                output_ids=out, behaviour_logprobs=[c["logprob"] for c in choice["logprobs"]["content"]],
+                output_versions=["fresh"] * len(out), output_mask=[1] * len(out), prompt_exact=True, reward=0.0,
+                version_lag=0,
+            ))
+    return steps
+
+
+def diffs(model_dir: Path, steps: list[StepTokens], dtype: str) -> tuple[list[float], list[int]]:
+    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=4096)
+    batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
+    model = load_model(model_dir, dtype=dtype, grad_checkpointing=False).eval()
+    with torch.no_grad():
+        logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], position_ids=batch["position_ids"])
+    mask = batch["loss_mask"] > 0
+    d = (logp - batch["behaviour_logprobs"]).abs()
+    # output position of each token: index from the first trainable token of its row
+    first = mask.float().argmax(dim=1, keepdim=True)
+    pos = torch.arange(mask.shape[1]).unsqueeze(0) - first
+    return d[mask].tolist(), pos[mask].tolist()
+
+
+def summary(values: list[float], positions: list[int]) -> dict:
+    by_pos: dict[str, float] = {}
+    for lo, hi in ((0, 1), (1, 4), (4, 8), (8, 16), (16, 32)):
+        chunk = [v for v, p in zip(values, positions, strict=True) if lo <= p < hi]
+        if chunk:
+            by_pos[f"{lo}-{hi - 1}"] = round(statistics.median(chunk), 4)
+    s = sorted(values)
+    return {"tokens": len(values), "median": round(statistics.median(s), 4), "p90": round(s[int(0.9 * len(s))], 4),
+            "median_by_position": by_pos}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--out")
+    args = p.parse_args()
+    python = find_vllm_python()
+    if python is None:
+        raise SystemExit("no vLLM environment: run scripts/vllm_env.sh")
+    base = cached_tiny_model(seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = write_checkpoint(gather_full_state_dict(load_model(base, dtype="fp32", grad_checkpointing=False)),
+                                 base_dir=base, out_dir=Path(tmp) / "fresh", dtype="fp32")
+        with VLLMServer(python=python, model_dir=base, served_name="tiny", dtype=args.engine_dtype) as server:
+            from tests.vllm_fixtures import swap_weights
+
+            swap_weights(server.base_url, fresh, "fresh")
+            steps = sample(server.base_url, args.requests, args.max_tokens)
+        result = {"engine_dtype": args.engine_dtype, "requests": args.requests}
+        for dtype in ("fp32", "bf16"):
+            result[f"trainer_{dtype}"] = summary(*diffs(fresh, steps, dtype))
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
