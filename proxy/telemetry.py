@@ -38,8 +38,9 @@ class Tracer:
     With no exporter no span objects are created, so tracing costs nothing on the hot path.
     """
 
-    def __init__(self, exporter: str) -> None:
-        self.enabled = exporter in ("console", "otlp")
+    def __init__(self, exporter: str, *, span_exporter=None) -> None:
+        """`exporter`: none | console | otlp; or pass any OpenTelemetry `span_exporter`."""
+        self.enabled = exporter in ("console", "otlp") or span_exporter is not None
         self._tracer = None
         if not self.enabled:
             return
@@ -48,7 +49,9 @@ class Tracer:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
         provider = TracerProvider(resource=Resource.create({"service.name": "atdp-proxy"}))
-        if exporter == "otlp":
+        if span_exporter is not None:
+            provider.add_span_processor(BatchSpanProcessor(span_exporter))
+        elif exporter == "otlp":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
