@@ -45,6 +45,7 @@ class AppState:
     redactor: Any = None
     settings_upstream_key: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    stopping: threading.Event = field(default_factory=threading.Event)  # set when the app shuts down
 
     # --- authentication -------------------------------------------------------------------------
 
@@ -165,8 +166,11 @@ def _connect_database(state: AppState) -> None:
             log.info("database ready")
             return
         except Exception as e:
+            if state.stopping.is_set():
+                return
             log.warning("database not ready (%s: %s); serving anyway, steps go to the spool", type(e).__name__, e)
-            time.sleep(2.0)
+            if state.stopping.wait(2.0):
+                return
 
 
 class LazyRedactor:
@@ -228,6 +232,7 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
             yield
         finally:
             stop.set()
+            state.stopping.set()
             for task in tasks:
                 task.cancel()
             await state.client.aclose()
