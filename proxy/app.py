@@ -228,6 +228,10 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
             tasks.append(asyncio.create_task(_refresh_keys(state, stop)))
         for hook in state.extra.get("on_start", []):
             await hook(state)
+        import gc
+
+        gc.collect()
+        gc.freeze()  # what start-up built lives for the process: keep it out of every later collection
         try:
             yield
         finally:
