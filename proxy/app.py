@@ -314,7 +314,7 @@ def _install_routes(app: FastAPI, state: AppState) -> None:
         body = {
             "status": "ok",
             "database": bool(state.factory is not None and r.db_ok),
-            "writer_queue": r.queue.qsize(),
+            "writer_pending": r.pending,
             "spool_pending": r.spool.pending(),
             "replicas": [{"url": x.url, "alive": x.alive, "open": x.is_open, "version": x.version, "inflight": x.inflight}
                          for x in state.pool.replicas],

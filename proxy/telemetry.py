@@ -18,7 +18,7 @@ TTFT = Histogram(
 TOKENS = Counter("atdp_tokens_total", "Tokens by direction", ["direction"], registry=REGISTRY)
 UPSTREAM_FAILURES = Counter("atdp_upstream_failures_total", "Failed upstream attempts", ["replica"], registry=REGISTRY)
 STEPS = Counter("atdp_steps_total", "Steps by where they went", ["to"], registry=REGISTRY)
-QUEUE_DEPTH = Gauge("atdp_writer_queue_depth", "Captured steps waiting for the writer", registry=REGISTRY)
+QUEUE_DEPTH = Gauge("atdp_writer_queue_depth", "Captured steps not yet written or spooled", registry=REGISTRY)
 SPOOL_PENDING = Gauge("atdp_spool_pending", "1 while the spool holds steps not yet in the database", registry=REGISTRY)
 SWAPS = Counter("atdp_weight_swaps_total", "Weight swaps by outcome", ["status"], registry=REGISTRY)
 SWAP_SECONDS = Histogram("atdp_weight_swap_seconds", "Pause to new version serving", registry=REGISTRY,
@@ -27,7 +27,7 @@ SWAP_SECONDS = Histogram("atdp_weight_swap_seconds", "Pause to new version servi
 
 def render_metrics(recorder=None) -> bytes:
     if recorder is not None:
-        QUEUE_DEPTH.set(recorder.queue.qsize())
+        QUEUE_DEPTH.set(recorder.pending)
         SPOOL_PENDING.set(1 if recorder.spool.pending() else 0)
     return generate_latest(REGISTRY)
 

@@ -129,6 +129,11 @@ class Recorder:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def pending(self) -> int:
+        """Steps submitted but not yet written or spooled."""
+        return self.queue.unfinished_tasks
+
     def connect(self, url: str, factory: sessionmaker[Session]) -> None:
         """The database is reachable (now, or again after start-up): write to it from here on."""
         self.factory = factory

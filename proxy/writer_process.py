@@ -123,6 +123,11 @@ class WriterProcess:
             self._local.forget(tenant, **kw)
 
     @property
+    def pending(self) -> int:
+        """Steps submitted but not yet written or spooled."""
+        return max(0, self.submitted - self._shared[0] - self._spilled)
+
+    @property
     def db_ok(self) -> bool:
         return bool(self._db_ok.value)
 
