@@ -214,6 +214,7 @@ def create_app(settings: Settings, *, redactor=None, connect_db: bool = True) ->
         recorder=recorder,
         tracer=telemetry.Tracer(settings.otel_exporter),
         redactor=redactor,
+        settings_upstream_key=settings.upstream_api_key,
     )
 
     @contextlib.asynccontextmanager

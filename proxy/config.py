@@ -40,6 +40,7 @@ class Settings:
     database_url: str | None = None  # None: embedded PostgreSQL under home/pg
     upstream_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     admin_key: str | None = None
+    upstream_api_key: str | None = None  # when vLLM runs with --api-key
     host: str = "127.0.0.1"
     port: int = 8700
     # Open mode: no API key needed, every call belongs to `default_tenant`. Only on loopback.
@@ -102,6 +103,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     if get("ATDP_UPSTREAM_URL"):
         s.upstream_urls = [u.strip().rstrip("/") for u in get("ATDP_UPSTREAM_URL", "").split(",") if u.strip()]
     s.admin_key = get("ATDP_ADMIN_KEY") or None
+    s.upstream_api_key = get("ATDP_UPSTREAM_API_KEY") or None
     s.host = get("ATDP_HOST") or s.host
     s.port = int(get("ATDP_PORT") or s.port)
     s.open_mode = _bool(get("ATDP_OPEN_MODE"))

@@ -48,6 +48,7 @@ class FakeVLLM:
         self.chunk_size = chunk_size
         self.chunk_delay = 0.0  # seconds between streamed chunks (a model generating)
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[bytes, bytes]] = []  # request headers of chat calls
         self.record = True
         self.reloads: list[str] = []
         self.fail_reload = False
@@ -106,6 +107,8 @@ class FakeVLLM:
                 break
         path, method = scope["path"], scope["method"]
         if path == "/v1/chat/completions" and method == "POST":
+            if self.record:
+                self.headers.append(dict(scope["headers"]))
             await self.chat(orjson.loads(body), send)
         elif path == "/v1/models":
             await self.json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm", "root": "/models/fake", "max_model_len": 2048}]})

@@ -304,3 +304,11 @@ def test_a_record_the_database_refuses_is_set_aside_not_blocking(start_proxy, fa
     rejected = list((proxy.state.settings.spool_dir / "rejected").glob("*.jsonl"))
     assert len(rejected) == 1 and b"out of range" in rejected[0].read_bytes()
     assert rec.stats["rejected"] == 1
+
+
+def test_upstream_api_key_is_sent_to_vllm_not_the_clients(start_proxy, fake_upstream):
+    proxy = start_proxy([fake_upstream.url], upstream_api_key="vllm-secret")
+    r = httpx.post(proxy.v1 + "/chat/completions", headers={"authorization": "Bearer client-key"},
+                   json={"model": "fake", "messages": [{"role": "user", "content": "k"}]})
+    assert r.status_code == 200
+    assert fake_upstream.headers[-1].get(b"authorization") == b"Bearer vllm-secret"
