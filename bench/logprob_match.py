@@ -7,6 +7,9 @@ temperature 1 with logprobs, and recomputes each output token's logprob with the
 
     fp32        fp32 weights, fp32 compute (the trainer's default)
     bf16        bf16 weights and compute, fp32 log-softmax (the engine's dtype)
+    fp32_engine_bf16
+                fp32 compute rounded to bf16 where a bf16 vLLM engine rounds
+                (`load_model(..., engine_numerics="bf16")`); meant for a bf16 engine
 
 Reports the median and p90 of |logp_train - logp_behaviour| overall and by output position.
 `--engine-dtype float32` serves the engine in fp32 instead: if the gap closes there, it is the
@@ -60,10 +63,14 @@ def sample(base_url: str, n: int, max_tokens: int) -> list[StepTokens]:
     return steps
 
 
-def diffs(model_dir: Path, steps: list[StepTokens], dtype: str) -> tuple[list[float], list[int]]:
+NUMERICS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "fp32_engine_bf16": ("fp32", "bf16")}
+
+
+def diffs(model_dir: Path, steps: list[StepTokens], numerics: str) -> tuple[list[float], list[int]]:
     samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=4096)
     batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
-    model = load_model(model_dir, dtype=dtype, grad_checkpointing=False).eval()
+    dtype, engine = NUMERICS[numerics]
+    model = load_model(model_dir, dtype=dtype, grad_checkpointing=False, engine_numerics=engine).eval()
     with torch.no_grad():
         logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], position_ids=batch["position_ids"])
     mask = batch["loss_mask"] > 0
@@ -82,6 +89,7 @@ def summary(values: list[float], positions: list[int]) -> dict:
             by_pos[f"{lo}-{hi - 1}"] = round(statistics.median(chunk), 4)
     s = sorted(values)
     return {"tokens": len(values), "median": round(statistics.median(s), 4), "p90": round(s[int(0.9 * len(s))], 4),
+            "max": round(s[-1], 4), "exact_frac": round(sum(v == 0 for v in s) / len(s), 3),
             "median_by_position": by_pos}
 
 
@@ -105,8 +113,8 @@ def main() -> None:
             swap_weights(server.base_url, fresh, "fresh")
             steps = sample(server.base_url, args.requests, args.max_tokens)
         result = {"engine_dtype": args.engine_dtype, "requests": args.requests}
-        for dtype in ("fp32", "bf16"):
-            result[f"trainer_{dtype}"] = summary(*diffs(fresh, steps, dtype))
+        for numerics in NUMERICS:
+            result[f"trainer_{numerics}"] = summary(*diffs(fresh, steps, numerics))
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

