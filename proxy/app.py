@@ -145,7 +145,7 @@ def _warm_index(state: AppState) -> None:
             .limit(state.index.max_entries)
         ).all()
     for th, sid, ext in reversed(rows):
-        state.index.add(th, StepLink(step_id=sid, session_id=ext, seq_hint=0))
+        state.index.add(th, StepLink(step_id=sid, session_id=ext))
 
 
 def _connect_database(state: AppState) -> None:

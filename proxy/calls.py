@@ -156,12 +156,13 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
     call.finished = True
     cap = call.capture
     total_s = time.perf_counter() - call.t0
-    link = StepLink(step_id=call.step_id, session_id=call.session.external_id, seq_hint=0)
+    link = StepLink(step_id=call.step_id, session_id=call.session.external_id)
     transcript_hash = None
     if status == "ok":
         # The client's next call will start with these messages + what we answered.
         units = output_units if output_units is not None else [cap.assistant_message()]
-        extended = prefix_hashes_continue(call.hashes, call.principal.tenant, units)
+        extended = prefix_hashes(call.principal.tenant, [match_key(m) for m in units],
+                                 start=call.hashes[-1] if call.hashes else None)
         transcript_hash = extended[-1] if extended else None
         if transcript_hash:
             call.state.index.add(transcript_hash, link)
@@ -222,20 +223,6 @@ class GuardedStream(StreamingResponse):
                        error={"type": "client_disconnected", "message": "the client went away before the stream"},
                        native_output=self._call.capture.assistant_message())
             await close_upstream(self._call, self._resp)
-
-
-def prefix_hashes_continue(hashes: list[str], tenant: str, more: list[Any]) -> list[str]:
-    """Extend a call's prefix hashes with more messages (its output)."""
-    import hashlib
-
-    from proxy.content import chain_hash
-
-    h = hashes[-1] if hashes else hashlib.sha256(tenant.encode()).hexdigest()
-    out = list(hashes)
-    for m in more:
-        h = chain_hash(h, hashlib.sha256(match_key(m)).hexdigest())
-        out.append(h)
-    return out
 
 
 __all__ = ["Call", "begin", "open_upstream", "close_upstream", "finish", "prefix_hashes"]

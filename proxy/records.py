@@ -32,6 +32,11 @@ def rebuild_prompt_ids(steps: dict[str, t.Step], fetch=None) -> dict[str, list[i
     return {sid: full(st) for sid, st in steps.items()}
 
 
+def full_prompt_ids(s: Session, step: t.Step) -> list[int]:
+    """One step's full prompt ids (its ancestors fetched as needed)."""
+    return rebuild_prompt_ids({step.id: step}, fetch=lambda i: s.get(t.Step, i))[step.id]
+
+
 def load_contents(s: Session, tenant: str, hashes: set[str]) -> dict[str, Any]:
     if not hashes:
         return {}

@@ -35,7 +35,6 @@ class SessionRef:
 class StepLink:
     step_id: str
     session_id: str  # external id
-    seq_hint: int
 
 
 @dataclass
@@ -164,11 +163,12 @@ def match_key(message: dict[str, Any]) -> bytes:
     return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
 
 
-def prefix_hashes(tenant: str, keys: list[bytes]) -> list[str]:
-    """h[i] = rolling hash of keys[:i+1], seeded by the tenant (tenants never link to each other)."""
+def prefix_hashes(tenant: str, keys: list[bytes], start: str | None = None) -> list[str]:
+    """h[i] = rolling hash of keys[:i+1], seeded by the tenant (tenants never link to each other);
+    `start` continues an earlier sequence's last hash."""
     import hashlib
 
-    h = hashlib.sha256(tenant.encode()).hexdigest()
+    h = start or hashlib.sha256(tenant.encode()).hexdigest()
     out = []
     for k in keys:
         h = chain_hash(h, hashlib.sha256(k).hexdigest())
@@ -214,7 +214,7 @@ class ContinuationIndex:
                 link, parent, history_len, _ = hit2
                 if parent is not None:
                     return Continuation(parent=parent, history_len=history_len)
-                return Continuation(parent=StepLink(step_id="", session_id=link.session_id, seq_hint=0), history_len=0)
+                return Continuation(parent=StepLink(step_id="", session_id=link.session_id), history_len=0)
         return Continuation(parent=None, history_len=0)
 
 

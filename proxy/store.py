@@ -246,14 +246,3 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             .execution_options(synchronize_session=False)
         )
     return len(fresh)
-
-
-def full_prompt_ids(s: Session, step: t.Step) -> list[int]:
-    """Rebuild a step's full prompt ids from its stored suffix and its ancestors' tokens."""
-    if step.prompt_prefix_len == 0 or step.parent_step_id is None:
-        return list(step.prompt_token_ids)
-    parent = s.get(t.Step, step.parent_step_id)
-    if parent is None:
-        raise LookupError(f"step {step.id}: parent {step.parent_step_id} is missing; prefix cannot be rebuilt")
-    prefix = full_prompt_ids(s, parent) + list(parent.output_token_ids)
-    return prefix[: step.prompt_prefix_len] + list(step.prompt_token_ids)

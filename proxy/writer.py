@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from proxy import tables as t
 from proxy.capture import CapturedStep
 from proxy.content import canonical, content_hash
-from proxy.governance import SECRET_ENTITIES, decide_eligibility
+from proxy.governance import decide_eligibility
 from proxy.ids import new_id
 from proxy.spool import Spool
 from proxy.store import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, rle, write_steps
@@ -474,5 +474,3 @@ class Recorder:
             return True
         return row.token_source != "engine" or bool(row.redaction)
 
-
-__all__ = ["Recorder", "SECRET_ENTITIES"]

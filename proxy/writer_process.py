@@ -159,8 +159,8 @@ class WriterProcess:
                 log.warning("writer process did not stop in %.0f s; terminating it", timeout)
                 self._proc.terminate()
         self._q.close()
-        if self._local is not None:
-            self._local.redactor.close() if hasattr(self._local.redactor, "close") else None
+        if self._local is not None and hasattr(self._local.redactor, "close"):
+            self._local.redactor.close()
 
 
 def _child_main(settings: Settings, q, shared, db_ok, parent_pid: int) -> None:

@@ -13,7 +13,7 @@ from sqlalchemy import func, select, update
 from proxy import tables as t
 from proxy.cli import main as cli_main
 from proxy.governance import ByteCodec, TokenGuard, load_codec
-from proxy.store import full_prompt_ids
+from proxy.records import full_prompt_ids
 
 ADMIN = {"authorization": "Bearer admin-test-key"}
 EMAIL, PHONE = "maria.gonzalez@fastmail.com", "+1 (415) 555-0132"

@@ -28,7 +28,7 @@ from sqlalchemy.engine import make_url
 from proxy import db
 from proxy import tables as t
 from proxy.governance import ByteCodec
-from proxy.store import full_prompt_ids
+from proxy.records import full_prompt_ids
 from tests.pii_corpus import SEEDED, seeded_messages
 
 CORPUS = seeded_messages()
