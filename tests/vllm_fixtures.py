@@ -39,6 +39,22 @@ class EngineHandle:
         return swap_weights(self.base_url, weights_dir, version)
 
 
+def trained_looking_checkpoint(base_dir: Path, out_dir: Path) -> Path:
+    """The base weights moved as training moves them, norm gains included: the tiny model's unit
+    RMSNorm weights would hide where the engine rounds inside the norm."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoint import write_checkpoint
+
+    state = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).state_dict()
+    g = torch.Generator().manual_seed(7)
+    for name, w in state.items():
+        noise = torch.randn(w.shape, generator=g)
+        state[name] = 1 + 0.3 * noise if "norm" in name else w + 0.2 * w.std() * noise
+    return write_checkpoint(state, base_dir=base_dir, out_dir=out_dir, dtype="fp32")
+
+
 def swap_weights(base_url: str, weights_dir: Path, version: str, timeout: float = 120.0) -> dict:
     """Pause (letting running requests finish), reload, tag the version, resume; returns /weight_info."""
     with httpx.Client(base_url=base_url, timeout=timeout) as client:

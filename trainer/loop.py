@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from trainer import dist
+from trainer import dist, numerics
 from trainer.batch import Sample, build_samples, micro_batches, split_for_ranks, split_stale
 from trainer.loss import PPOOptions, add_proximal_logprobs, group_advantages, train_step
+from trainer.numerics import Profile
 
 log = logging.getLogger("atdp.trainer")
 
@@ -65,7 +66,10 @@ class TrainConfig:
     dtype: str = "fp32"  # master weights
     compute_dtype: str | None = None  # "bf16": bf16 forward/backward under FSDP2
     save_dtype: str = "fp32"
-    engine_numerics: str | None = None  # "bf16": round where a bf16 engine rounds (trainer/model.py)
+    # auto: probe the engine for how it rounds (trainer/numerics.py); or fp32 | bf16 | bf16-trunc
+    engine_numerics: str = "auto"
+    engine_url: str | None = None  # a vLLM replica, for the probe
+    engine_api_key: str | None = None
     grad_checkpointing: bool = False
     lora_r: int = 0
     seed: int = 0
@@ -299,6 +303,18 @@ class Policy:
         self.optimizer = None
         self.version: str | None = None
         self.checkpoint: Path | None = None
+        self.numerics: Profile | None = None  # resolved once: the engine's kernels do not change
+
+    def resolve_numerics(self, checkpoint: str) -> Profile:
+        """The engine's numerics profile, probed by rank 0 against the weights it serves now."""
+        cfg = self.cfg
+        if cfg.dtype != "fp32" or cfg.compute_dtype:
+            return "fp32"  # emulation needs fp32 compute to round from
+        if self.numerics is None:
+            profile = numerics.resolve(cfg.engine_numerics, checkpoint, cfg.engine_url, api_key=cfg.engine_api_key) \
+                if dist.is_main() else None
+            self.numerics = dist.broadcast_object(profile)
+        return self.numerics
 
     def ensure(self, version: str, checkpoint: str) -> None:
         from trainer.model import LoraOptions, load_model, shard
@@ -308,7 +324,7 @@ class Policy:
         cfg = self.cfg
         lora = LoraOptions(r=cfg.lora_r, alpha=2 * cfg.lora_r) if cfg.lora_r else None
         self.model = load_model(checkpoint, dtype=cfg.dtype, grad_checkpointing=cfg.grad_checkpointing, lora=lora,
-                                engine_numerics=cfg.engine_numerics)
+                                engine_numerics=self.resolve_numerics(checkpoint))
         shard(self.model, compute_dtype=cfg.compute_dtype)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

