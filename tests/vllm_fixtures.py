@@ -45,13 +45,15 @@ def trained_looking_checkpoint(base_dir: Path, out_dir: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.checkpoint import write_checkpoint
+    from trainer.checkpoint import gather_full_state_dict, write_checkpoint
 
-    state = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
-    for name, w in state.items():
-        noise = torch.randn(w.shape, generator=g)
-        state[name] = 1 + 0.3 * noise if "norm" in name else w + 0.2 * w.std() * noise
+    with torch.no_grad():
+        for name, w in model.named_parameters():  # tied weights (SmolLM2's embeddings) come once
+            noise = torch.randn(w.shape, generator=g)
+            w.mul_(1 + 0.1 * noise) if "norm" in name else w.add_(0.05 * w.std() * noise)
+    state = gather_full_state_dict(model)  # as the trainer saves a version
     return write_checkpoint(state, base_dir=base_dir, out_dir=out_dir, dtype="fp32")
 
 
