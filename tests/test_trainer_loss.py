@@ -256,6 +256,15 @@ def test_padding_with_garbage_logprobs_stays_out_of_the_gradient():
     assert logp.grad.tolist() == [[pytest.approx(-1.0), 0.0]]
 
 
+@pytest.mark.parametrize("bad", [float("-inf"), float("nan")])
+def test_non_finite_behaviour_logprob_on_a_trained_token_is_dropped(bad):
+    logp = logs(0.5, 0.5).requires_grad_(True)
+    loss, stats = ppo_loss(logp, t(bad, math.log(0.5)), t(1.0, 1.0), t(1.0, 1.0), **CLIP, **WIDE)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0) and logp.grad.tolist() == [[0.0, pytest.approx(-1.0)]]
+    assert stats["tokens"] == 1 and stats["mask_tokens"] == 1
+
+
 def test_train_step_with_a_minus_9999_logprob_keeps_weights_finite(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -197,7 +197,10 @@ def ppo_loss(
     mask_tokens, onpolicy_tokens.
     """
     weight = loss_mask.float()
-    mask = weight > 0
+    # A token without a finite engine logprob has no importance weight: it is not trained (batch.py
+    # already drops them; -inf - -inf would be NaN below).
+    mask = (weight > 0) & torch.isfinite(behaviour_logp)
+    behaviour_logp = torch.where(mask, behaviour_logp, torch.zeros_like(behaviour_logp))
     # Trainer's log-probability of the old policy: what the engine's number should have been.
     trainer_old = (logp if proximal_logp is None else proximal_logp).detach()
 
