@@ -194,7 +194,7 @@ def ppo_loss(
     num_tokens: the normaliser; None = the summed weight of the kept tokens here. Pass a global
     total when the batch is split across micro-batches or ranks.
     Returns (loss, stats); stats: loss, clip_frac, masked_frac, mean_abs_logp_diff, kl, tokens,
-    mask_tokens, onpolicy_tokens.
+    mask_tokens, exact_tokens, onpolicy_tokens.
     """
     weight = loss_mask.float()
     # A token without a finite engine logprob has no importance weight: it is not trained (batch.py
