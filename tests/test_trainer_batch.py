@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from trainer.batch import StepTokens, build_samples, micro_batches, pack, split_for_ranks, split_stale
+from trainer.batch import (
+    StepTokens,
+    build_samples,
+    group_key,
+    micro_batches,
+    pack,
+    session_weights,
+    split_for_ranks,
+    split_stale,
+)
 
 
 def step(
@@ -119,7 +128,50 @@ def test_groups_only_when_several_sessions_share_a_task():
     steps += [step("n", 0, [1, 2], [3], session="n", task=None)]
     samples = build_samples(steps, mode="auto", turn_discount=1.0, max_len=100)
     by_step = {s.step_ids[-1]: s.group for s in samples}
-    assert by_step == {"x-2": "t1", "y-2": "t1", "z-2": "", "n": ""}
+    assert by_step == {"x-2": group_key("", "t1"), "y-2": group_key("", "t1"), "z-2": "", "n": ""}
+
+
+def test_groups_are_scoped_to_the_tenant():
+    # Tenants A and B both call a task "t1": they are different tasks, with different baselines.
+    steps = []
+    for session, tenant in (("a1", "A"), ("a2", "A"), ("b1", "B")):
+        steps += [step(session, 0, [1, 2], [3], session=session, task="t1")]
+        steps[-1].tenant_id = tenant
+    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=100)
+    by_session = {s.session_id: s.group for s in samples}
+    assert by_session == {"a1": group_key("A", "t1"), "a2": group_key("A", "t1"), "b1": ""}
+    # no tenant can name a task so that it collides with another tenant's
+    assert group_key("A", "x") != group_key("A\\", "x") and group_key("a:b", "c") != group_key("a", "b:c")
+
+
+def test_redacted_prompt_tokens_are_marked_for_the_on_policy_fallback():
+    s0, s1, s2 = chained_session()
+    s1.prompt_exact = False  # its prompt ids were rewritten by redaction
+    (sample,) = build_samples([s0, s1, s2], mode="concat", turn_discount=1.0, max_len=100)
+    assert sample.loss_mask == [0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1]
+    assert sample.exact == [0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]  # turn 1 stays trainable, not exact
+    per_step = build_samples([s0, s1, s2], mode="per_step", turn_discount=1.0, max_len=100)
+    assert [s.exact[len(st.prompt_ids):] for s, st in zip(per_step, (s0, s1, s2), strict=True)] == [
+        [1, 1], [0], [1, 1, 1]
+    ]
+    batch = pack([sample], pad_id=0, advantages=[1.0])
+    assert batch["exact"].tolist() == [[float(x) for x in sample.exact]]
+
+
+def test_session_weighting_counts_each_session_once():
+    # session s1: 3 per-step samples with 2 + 1 + 3 trained tokens; session o: 1 sample, 1 token
+    steps = chained_session("s1") + [step("o", 0, [1, 2], [3], session="o")]
+    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=100)
+    tokens = session_weights(samples, "token")
+    assert [s.weight for s in tokens] == [1.0, 1.0, 1.0, 1.0]
+    weighted = session_weights(samples, "session")
+    assert {s.session_id: s.weight for s in weighted} == {"s1": pytest.approx(1 / 6), "o": 1.0}
+    batch = pack(weighted, pad_id=0, advantages=[0.0] * 4)
+    # every session's tokens sum to 1: the loss normaliser is the number of sessions
+    assert batch["token_weights"].sum().item() == pytest.approx(2.0)
+    assert pack(tokens, pad_id=0, advantages=[0.0] * 4)["token_weights"].sum().item() == 7.0
+    with pytest.raises(ValueError):
+        session_weights(samples, "steps")
 
 
 def test_truncation_keeps_the_left_and_drops_empty_samples():

@@ -20,7 +20,12 @@ import torch
 
 from trainer import dist
 from trainer.batch import Sample, StepTokens, build_samples, micro_batches, pack, split_for_ranks
-from trainer.checkpoint import gather_full_state_dict, write_checkpoint
+from trainer.checkpoint import (
+    gather_full_state_dict,
+    load_optimizer_state,
+    save_optimizer_state,
+    write_checkpoint,
+)
 from trainer.loss import PPOOptions, group_advantages, token_logprobs, train_step
 from trainer.model import LoraOptions, load_model, shard
 
@@ -101,12 +106,31 @@ def run_training(base_dir: Path, out_dir: Path, *, lora: bool = False) -> dict:
     after = {"good": mean_logp(model, samples, 1.0), "bad": mean_logp(model, samples, -1.0)}
 
     state = gather_full_state_dict(model)
-    result = {"world": world, "before": before, "after": after, "history": history, "micro_batches": len(mbs)}
+    result = {"world": world, "before": before, "after": after, "history": history, "micro_batches": len(mbs),
+              "optimizer_state_equal": optimizer_round_trip(model, optimizer, out_dir)}
     if rank == 0:
         write_checkpoint(state, base_dir=base_dir, out_dir=out_dir, dtype="fp32")
         (out_dir.parent / f"{out_dir.name}.json").write_text(json.dumps(result))
     dist.barrier()
     return result
+
+
+def optimizer_round_trip(model, optimizer, out_dir: Path) -> bool:
+    """Save the (sharded) AdamW state, load it into a fresh optimizer: equal on every rank?"""
+    path = out_dir.parent / f"{out_dir.name}-state" / "optimizer.pt"
+    save_optimizer_state(model, optimizer, path, version=out_dir.name, checkpoint=str(out_dir))
+    dist.barrier()  # rank 0 wrote it
+    fresh = torch.optim.AdamW(optimizer.param_groups[0]["params"], lr=1.0)
+    loaded = load_optimizer_state(model, fresh, path, version=out_dir.name, checkpoint=str(out_dir))
+    equal = loaded and all(
+        torch.equal(_local(fresh.state[p][k]), _local(v)) for p, st in optimizer.state.items() for k, v in st.items()
+    )
+    equal = equal and len(fresh.state) == len(optimizer.state) > 0
+    return bool(dist.all_reduce(torch.tensor([float(equal)]), op="min").item())
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if hasattr(x, "to_local") else x
 
 
 def _check_learning(result: dict) -> None:
@@ -117,6 +141,7 @@ def _check_learning(result: dict) -> None:
     assert first["reward_mean"] == 0.0 and first["reward_std"] == pytest.approx(1.0)
     assert first["tokens"] == 12 * 6  # every output token trained at the first step
     assert first["tokens_per_s"] > 0
+    assert result["optimizer_state_equal"]  # saved, reloaded into a fresh AdamW, equal on every rank
 
 
 def _check_checkpoint(base_dir: Path, out_dir: Path, *, trained_model=None) -> None:

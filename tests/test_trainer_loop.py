@@ -7,6 +7,7 @@ with its lineage, and swaps it in; a failed swap releases the steps and keeps th
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -128,6 +129,7 @@ def test_rewards_lag_and_stale_marking(start_proxy, fake_upstream, own_db, tiny_
     assert second.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
     assert second.output_ids == list(b"[w0] two") and second.output_versions == ["base"] * 8
     assert all(st.version_lag == 0 for st in loaded.steps)
+    assert {st.tenant_id for st in loaded.steps} == {proxy.tenant}  # advantage groups are per tenant
 
     # Two more versions serve since: the steps are 2 versions behind.
     _serving(factory, "v1", "/x/v1", age_s=30)
@@ -162,7 +164,7 @@ def test_rewards_lag_and_stale_marking(start_proxy, fake_upstream, own_db, tiny_
 def _cfg(url, proxy, home: Path, **kw) -> TrainConfig:
     opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
     return TrainConfig(database_url=url, proxy_url=proxy.url, admin_key="admin-test-key",
-                       checkpoints_dir=home / "checkpoints", once=True, lr=1e-3, ppo=opts, **kw)
+                       checkpoints_dir=home / "checkpoints", once=True, **{"lr": 1e-3, "ppo": opts, **kw})
 
 
 def test_once_trains_registers_lineage_and_swaps(start_proxy, fake_upstream, own_db, tiny_dir, tmp_path):
@@ -211,24 +213,73 @@ def test_once_trains_registers_lineage_and_swaps(start_proxy, fake_upstream, own
     assert run(_cfg(url, proxy, tmp_path)) == []
 
 
+def _rewarded_sessions(proxy, prefix: str, n: int, *, task: str | None = None) -> None:
+    for k in range(n):
+        _session(proxy, f"{prefix}{k}", ["hello"], task=task)
+        _feedback(proxy, f"{prefix}{k}", reward=k / 2)
+    proxy.flush()
+
+
+def _failed_with_steps_released(factory, proxy, name: str, n_steps: int) -> str:
+    """The version's error, after checking it failed, kept its lineage, and gave its steps back."""
+    with factory() as s:
+        v = s.scalars(select(t.ModelVersion).where(t.ModelVersion.name == name)).one()
+        assert v.status == "failed" and v.error
+        assert len(s.scalars(select(t.VersionLineage).where(t.VersionLineage.version_id == v.id)).all()) == n_steps
+        assert lease.count_ready(s) == n_steps  # released: a later update trains on them
+        assert s.scalars(select(t.ModelVersion.name).where(t.ModelVersion.status == "serving")).one() == "base"
+    assert [r.version for r in proxy.state.pool.replicas] == ["base"]
+    return v.error
+
+
 def test_failed_swap_releases_steps_and_keeps_lineage(start_proxy, fake_upstream, own_db, tiny_dir, tmp_path):
     url, factory = own_db
     proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
-    for k in range(3):
-        _session(proxy, f"f{k}", ["hello"])
-        _feedback(proxy, f"f{k}", reward=k / 2)
-    proxy.flush()
+    _rewarded_sessions(proxy, "f", 3)
     fake_upstream.fail_reload = True
     (result,) = run(_cfg(url, proxy, tmp_path))
     assert result.status == "failed" and "reload" in result.metrics["swap_error"]
-    with factory() as s:
-        v = s.scalars(select(t.ModelVersion).where(t.ModelVersion.name == result.version)).one()
-        assert v.status == "failed" and v.error
-        assert len(s.scalars(select(t.VersionLineage).where(t.VersionLineage.version_id == v.id)).all()) == 3
-        assert lease.count_ready(s) == 3  # released: a later update trains on them
-        assert s.scalars(select(t.ModelVersion.name).where(t.ModelVersion.status == "serving")).one() == "base"
-    assert [r.version for r in proxy.state.pool.replicas] == ["base"]
+    _failed_with_steps_released(factory, proxy, result.version, 3)
 
     fake_upstream.fail_reload = False
     (again,) = run(_cfg(url, proxy, tmp_path))
     assert again.status == "serving" and again.version != result.version
+
+
+def test_non_finite_update_is_refused_marked_failed_and_releases_steps(start_proxy, fake_upstream, own_db, tiny_dir,
+                                                                       tmp_path):
+    url, factory = own_db
+    proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
+    _rewarded_sessions(proxy, "n", 3)
+    # An infinite step size: every weight becomes inf or NaN after the optimizer step.
+    (result,) = run(_cfg(url, proxy, tmp_path, lr=float("inf")))
+    assert result.status == "failed" and "non-finite weights" in result.metrics["swap_error"]
+    assert not Path(result.metrics["checkpoint"]).exists()  # never written, never offered to the engine
+    assert fake_upstream.weights != result.version
+    assert "not published" in _failed_with_steps_released(factory, proxy, result.version, 3)
+
+    (again,) = run(_cfg(url, proxy, tmp_path))
+    assert again.status == "serving" and again.metrics["steps"] == 3
+
+
+def test_optimizer_state_resumes_across_once_runs_and_kl_to_base(start_proxy, fake_upstream, own_db, tiny_dir,
+                                                                  tmp_path):
+    import torch
+
+    from trainer.checkpoint import trainer_state_path
+
+    url, factory = own_db
+    proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
+    for round_ in range(2):
+        _rewarded_sessions(proxy, f"r{round_}-", 3, task="t")
+        kw = {"ppo": PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"), kl_coef=0.1, kl_ref="base")} \
+            if round_ else {}
+        (result,) = run(_cfg(url, proxy, tmp_path, **kw))
+        m = result.metrics
+        assert result.status == "serving" and m["optimizer_resumed"] is bool(round_)
+        assert m["exact_steps"] == 3 and m["onpolicy_steps"] == 0
+        # logged KL: to the fake engine's made-up logprobs in round 0, to base (close to v1) in round 1
+        assert math.isfinite(m["kl"]) and (0 < m["kl"] < 1) is bool(round_)
+        saved = torch.load(trainer_state_path(tmp_path / "checkpoints"), weights_only=True)
+        assert (saved["version"], saved["checkpoint"]) == (result.version, m["checkpoint"])
+        assert not any(p.name.endswith(".pt") for p in Path(m["checkpoint"]).iterdir())  # the served folder stays HF

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from tests.trainer_tiny import build_tiny_llama
-from trainer.loss import bernoulli_kl, group_advantages, ppo_loss, token_logprobs
+from trainer.loss import (
+    PPOOptions,
+    bernoulli_kl,
+    group_advantages,
+    k3_kl,
+    ppo_loss,
+    token_logprobs,
+    train_step,
+)
 
 WIDE = {"ratio_mask_low": 0.0, "ratio_mask_high": math.inf, "kl_mask": None}
 CLIP = {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
@@ -47,6 +55,28 @@ def test_group_std_normalisation():
 
 def test_single_sample_has_no_baseline():
     assert group_advantages([0.7], [""], normalize_std=False) == [0.7]
+
+
+def test_a_session_counts_once_in_its_group_however_many_samples():
+    # group g: session a gave 3 samples (reward 1), session b one (reward 0). Per sample the
+    # baseline would be 0.75; per session it is 0.5.
+    rewards = [1.0, 1.0, 1.0, 0.0]
+    adv = group_advantages(rewards, ["g"] * 4, normalize_std=False, sessions=["a", "a", "a", "b"])
+    assert adv == pytest.approx([0.5, 0.5, 0.5, -0.5])
+    # normalised by the per-session std (0.5), not the per-sample one (0.433)
+    adv = group_advantages(rewards, ["g"] * 4, normalize_std=True, sessions=["a", "a", "a", "b"])
+    assert adv == pytest.approx([1.0, 1.0, 1.0, -1.0], rel=1e-4)
+
+
+def test_leave_one_out_leaves_out_the_whole_session():
+    # ungrouped: x (2 samples, reward 1), y (0), z (0.5). x's baseline is the mean over y and z.
+    adv = group_advantages([1.0, 1.0, 0.0, 0.5], [""] * 4, normalize_std=False, sessions=["x", "x", "y", "z"])
+    assert adv[:2] == pytest.approx([0.75, 0.75])
+    # y: mean over x (once) and z = (1 + 0.5) / 2
+    assert adv[2] == pytest.approx(-0.75)
+    # a group whose samples all come from one session has no group baseline
+    adv = group_advantages([1.0, 0.0, 0.5], ["g", "g", ""], normalize_std=False, sessions=["x", "x", "y"])
+    assert adv[:2] == pytest.approx([0.5, -0.5])  # baseline: session y's 0.5
 
 
 # --- PPO clipping ---
@@ -183,6 +213,140 @@ def test_proximal_policy_decoupling():
         proximal_logp=logs(0.6),
     )
     assert stats["masked_frac"] == 0.0
+
+
+def test_session_weights_make_the_loss_a_mean_over_sessions():
+    # session 1: three on-policy tokens, A = 1 (weights 1/3 each); session 2: one token, A = 3
+    logp = logs(0.5, 0.5, 0.5, 0.5)
+    weights = t(1 / 3, 1 / 3, 1 / 3, 1.0)
+    loss, stats = ppo_loss(logp, logp, t(1.0, 1.0, 1.0, 3.0), weights, **CLIP, **WIDE)
+    assert loss.item() == pytest.approx(-(1.0 + 3.0) / 2)  # per token it would be -6 / 4
+    assert stats["tokens"] == 4
+
+
+# --- numerics: the engine's -inf (-9999) and other absurd logprobs ---
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+@pytest.mark.parametrize("masks", [WIDE, {"ratio_mask_low": 0.5, "ratio_mask_high": 2.0, "kl_mask": 0.1}])
+@pytest.mark.parametrize("proximal", [False, True])
+def test_impossible_behaviour_logprob_gives_finite_loss_and_grads(adv, masks, proximal):
+    # vLLM reports -inf as -9999: exp(logp - behaviour) = exp(9999) = inf, and 0 * inf = NaN
+    logp = logs(0.3, 0.5).requires_grad_(True)
+    behaviour = t(-9999.0, math.log(0.5))
+    prox = t(math.log(0.3), math.log(0.5)) if proximal else None
+    mask = t(1.0, 1.0)
+    loss, stats = ppo_loss(logp, behaviour, t(adv, adv), mask, **CLIP, **masks, proximal_logp=prox)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+    assert all(math.isfinite(v) for v in stats.values())
+    if masks is not WIDE:  # the ratio mask drops it; the other token trains as usual
+        assert stats["masked_frac"] == 0.5
+        assert logp.grad[0, 0].item() == 0.0
+        assert logp.grad[0, 1].item() == pytest.approx(-adv)
+
+
+def test_padding_with_garbage_logprobs_stays_out_of_the_gradient():
+    # a masked position may hold anything (an inf behaviour logprob, a NaN-free but absurd logp)
+    logp = t(math.log(0.5), -1e4).requires_grad_(True)
+    behaviour = t(math.log(0.5), float("-inf"))
+    loss, _ = ppo_loss(logp, behaviour, t(1.0, 1.0), t(1.0, 0.0), **CLIP, **WIDE)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0)
+    assert logp.grad.tolist() == [[pytest.approx(-1.0), 0.0]]
+
+
+@pytest.mark.parametrize("bad", [float("-inf"), float("nan")])
+def test_non_finite_behaviour_logprob_on_a_trained_token_is_dropped(bad):
+    logp = logs(0.5, 0.5).requires_grad_(True)
+    loss, stats = ppo_loss(logp, t(bad, math.log(0.5)), t(1.0, 1.0), t(1.0, 1.0), **CLIP, **WIDE)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0) and logp.grad.tolist() == [[0.0, pytest.approx(-1.0)]]
+    assert stats["tokens"] == 1 and stats["mask_tokens"] == 1
+
+
+def test_train_step_with_a_minus_9999_logprob_keeps_weights_finite(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.batch import StepTokens, build_samples, micro_batches
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_llama(tmp_path / "m"), dtype=torch.float32)
+    steps = [
+        StepTokens(step_id=f"s{k}", session_id=f"s{k}", task_id="t", seq=0, prompt_ids=[5, 6, 7],
+                   output_ids=[8, 9, 10], behaviour_logprobs=[-9999.0, -5.0, -6.0], output_versions=["v"] * 3,
+                   output_mask=[1, 1, 1], prompt_exact=True, reward=float(k), version_lag=0)
+        for k in range(2)
+    ]
+    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=64)
+    adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
+    mbs = micro_batches(samples, adv, pad_id=0, max_tokens=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for opts in (PPOOptions(), PPOOptions(ratio_mask_low=0.0, ratio_mask_high=math.inf, kl_coef=0.1)):
+        stats = train_step(model, optimizer, mbs, opts)
+        assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# --- redacted prompts: the on-policy fallback ---
+
+
+def test_inexact_tokens_train_on_policy():
+    # token 0: exact, on-policy (A = 1). token 1: its prompt was redacted, the engine's number
+    # (0.01 vs the trainer's 0.5) is about another context: no mask, importance weight 1.
+    logp = logs(0.5, 0.5).requires_grad_(True)
+    behaviour = logs(0.5, 0.01)
+    exact = t(1.0, 0.0)
+    loss, stats = ppo_loss(
+        logp, behaviour, t(1.0, 2.0), t(1.0, 1.0), **CLIP, ratio_mask_low=0.5, ratio_mask_high=2.0, kl_mask=0.1,
+        exact=exact,
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(-(1.0 + 2.0) / 2)  # both ratios 1
+    assert logp.grad.tolist() == [[pytest.approx(-0.5), pytest.approx(-1.0)]]  # the policy gradient
+    assert stats["masked_frac"] == 0.0 and stats["exact_tokens"] == 1 and stats["onpolicy_tokens"] == 1
+    assert stats["mean_abs_logp_diff"] == 0.0  # only exact tokens say how far trainer and engine are
+    # without the flag the same token is a 50x disagreement and is dropped
+    _, stats = ppo_loss(logp, behaviour, t(1.0, 2.0), t(1.0, 1.0), **CLIP, ratio_mask_low=0.5,
+                        ratio_mask_high=2.0, kl_mask=None)
+    assert stats["masked_frac"] == 0.5
+
+
+def test_inexact_tokens_use_the_proximal_policy_with_ppo_epochs():
+    # with a proximal policy the fallback is pi_b := pi_prox: weight 1, ratio pi / pi_prox, clipped
+    logp = logs(0.9)
+    _, stats = ppo_loss(logp, logs(0.01), t(1.0), t(1.0), **CLIP, **WIDE, proximal_logp=logs(0.6), exact=t(0.0))
+    assert stats["loss"] == pytest.approx(-1.28, rel=1e-5)  # ratio 1.5 clipped, no 60x weight
+    assert stats["clip_frac"] == 1.0
+
+
+# --- KL penalty ---
+
+
+def test_k3_kl_value_and_gradient():
+    # r = pi_ref / pi = 0.25 / 0.5: k3 = r - log r - 1
+    logp = logs(0.5).requires_grad_(True)
+    ref = logs(0.25)
+    kl = k3_kl(logp, ref, torch.ones(1, 1, dtype=torch.bool))
+    assert kl.item() == pytest.approx(0.5 - math.log(0.5) - 1, rel=1e-5)
+    kl.sum().backward()
+    assert logp.grad.item() == pytest.approx(1 - 0.5, rel=1e-5)  # descent lowers logp towards the ref
+    assert k3_kl(logs(0.3), logs(0.3), torch.ones(1, 1, dtype=torch.bool)).item() == pytest.approx(0.0, abs=1e-7)
+    assert k3_kl(logs(0.3), t(-9999.0), torch.ones(1, 1, dtype=torch.bool)).isfinite().all()
+
+
+def test_kl_penalty_is_added_per_token():
+    # on-policy token (ratio 1), A = 0: the loss is the KL term alone
+    logp = logs(0.5).requires_grad_(True)
+    loss, stats = ppo_loss(logp, logs(0.5), t(0.0), t(1.0), **CLIP, **WIDE, kl_coef=0.2, ref_logp=logs(0.25))
+    loss.backward()
+    k3 = 0.5 - math.log(0.5) - 1
+    assert loss.item() == pytest.approx(0.2 * k3, rel=1e-5) and stats["kl"] == pytest.approx(k3, rel=1e-5)
+    assert logp.grad.item() == pytest.approx(0.2 * 0.5, rel=1e-5)
+    # default reference: the behaviour policy; kl_coef 0 leaves the loss as it was (the KL is logged)
+    loss, stats = ppo_loss(logs(0.5), logs(0.25), t(0.0), t(1.0), **CLIP, **WIDE, kl_coef=0.0)
+    assert loss.item() == 0.0 and stats["kl"] == pytest.approx(k3, rel=1e-5)
+    loss, _ = ppo_loss(logs(0.5), logs(0.25), t(0.0), t(1.0), **CLIP, **WIDE, kl_coef=1.0)
+    assert loss.item() == pytest.approx(k3, rel=1e-5)
 
 
 # --- logprobs from a real model ---

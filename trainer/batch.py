@@ -6,6 +6,7 @@ the engine's logprob and weight version). A `Sample` is one training sequence:
     input_ids            prompt tokens ... output tokens ... (more turns in concat mode)
     loss_mask            0 ............. 1 1 1 1 (0 where redacted or stale)
     behaviour_logprobs   0 ............. engine logprob of that token, aligned to input_ids
+    exact                0 ............. 1 1 1 1 (0: the step's prompt was redacted, see below)
 
 Conventions used everywhere in the trainer: position i of every per-token list or tensor is about
 token input_ids[i], predicted from input_ids[:i]. Position 0 is never trainable.
@@ -14,10 +15,19 @@ Truncation (`max_len`): a sample longer than `max_len` is cut on the *right*. Th
 still see exactly the context the engine saw, so their behaviour logprobs stay valid; cutting on the
 left would change every logprob. A sample with no trainable token left (prompt alone >= max_len) is
 dropped.
+
+Redacted prompts: a `rederived` step's ids were rewritten after the engine scored them, so the
+engine's logprob is pi_b(y | original prompt) while the trainer sees the redacted prompt. Its output
+tokens stay trainable but are marked `exact` 0, and the loss trains them on-policy (loss.ppo_loss).
+
+Weighting (`session_weights`): per token (every trained token weighs 1, so long sessions weigh
+more) or per session (every session's tokens share a total weight of 1, however many steps and
+tokens it has).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -45,6 +55,7 @@ class StepTokens:
     prompt_exact: bool  # False: prompt tokens were re-derived (redaction); usable as context only
     reward: float  # the session's reward as seen by this step
     version_lag: int  # how many weight versions behind the current one this step's oldest token is
+    tenant_id: str = ""  # advantage groups are (tenant, task): task ids are the tenant's own names
 
 
 @dataclass
@@ -52,9 +63,18 @@ class Sample:
     input_ids: list[int]
     loss_mask: list[int]
     behaviour_logprobs: list[float]  # aligned to input_ids; 0 where loss_mask is 0
+    exact: list[int]  # aligned to input_ids; 1 where the behaviour logprob fits this context
     reward: float
-    group: str  # task id when >= 2 sessions of the batch share it, else "" (batch baseline)
+    group: str  # group_key(tenant, task) when >= 2 sessions of the batch share it, else "" (batch baseline)
     step_ids: list[str]
+    session_id: str = ""
+    weight: float = 1.0  # loss weight of each of its trained tokens (session_weights)
+
+
+def group_key(tenant_id: str, task_id: str) -> str:
+    """The advantage group of a task: tenants name their tasks independently, so "t1" of tenant A
+    and "t1" of tenant B are different tasks and must not share a baseline."""
+    return json.dumps([tenant_id, task_id])
 
 
 def split_stale(
@@ -99,9 +119,11 @@ def _per_step_sample(step: StepTokens, reward: float) -> Sample:
         input_ids=step.prompt_ids + step.output_ids,
         loss_mask=[0] * n_prompt + mask,
         behaviour_logprobs=[0.0] * n_prompt + logps,
+        exact=[0] * n_prompt + [int(step.prompt_exact)] * len(mask),
         reward=reward,
         group="",
         step_ids=[step.step_id],
+        session_id=step.session_id,
     )
 
 
@@ -111,13 +133,15 @@ def _concat_sample(chain: list[StepTokens], reward: float) -> Sample:
     input_ids = last.prompt_ids + last.output_ids
     loss_mask = [0] * len(input_ids)
     logps = [0.0] * len(input_ids)
+    exact = [0] * len(input_ids)
     for step in chain:
         # Each step's output sits right after its own prompt inside the final sequence.
         start = len(step.prompt_ids)
         mask, lps = _output_targets(step)
         loss_mask[start : start + len(mask)] = mask
         logps[start : start + len(lps)] = lps
-    return Sample(input_ids, loss_mask, logps, reward, "", [s.step_id for s in chain])
+        exact[start : start + len(mask)] = [int(step.prompt_exact)] * len(mask)
+    return Sample(input_ids, loss_mask, logps, exact, reward, "", [s.step_id for s in chain], last.session_id)
 
 
 def _chains(steps: list[StepTokens]) -> list[list[StepTokens]]:
@@ -138,6 +162,7 @@ def _truncate(sample: Sample, max_len: int) -> Sample | None:
             input_ids=sample.input_ids[:max_len],
             loss_mask=sample.loss_mask[:max_len],
             behaviour_logprobs=sample.behaviour_logprobs[:max_len],
+            exact=sample.exact[:max_len],
         )
     # Position 0 has no context to be predicted from.
     sample.loss_mask[0] = 0
@@ -162,18 +187,19 @@ def build_samples(
     auto: concat for a session whose steps all form one chain, else per_step for that session.
 
     Steps of a session should all be passed together (T counts the steps given). The group of a
-    sample is its task id when at least two sessions in `steps` share that task, else "".
+    sample is group_key(tenant, task) when at least two sessions in `steps` share that tenant's
+    task, else "".
     """
     by_session: dict[str, list[StepTokens]] = defaultdict(list)
     for step in steps:
         _check(step)
         by_session[step.session_id].append(step)
 
-    # Which task ids are shared by several sessions: only those get a group baseline.
+    # Which (tenant, task) pairs are shared by several sessions: only those get a group baseline.
     sessions_per_task: dict[str, set[str]] = defaultdict(set)
     for step in steps:
         if step.task_id is not None:
-            sessions_per_task[step.task_id].add(step.session_id)
+            sessions_per_task[group_key(step.tenant_id, step.task_id)].add(step.session_id)
 
     samples: list[Sample] = []
     for session_steps in by_session.values():
@@ -191,14 +217,34 @@ def build_samples(
         else:
             raise ValueError(f"unknown mode {mode!r}")
 
-        task = session_steps[0].task_id
-        group = task if task is not None and len(sessions_per_task[task]) >= 2 else ""
+        first = session_steps[0]
+        key = group_key(first.tenant_id, first.task_id) if first.task_id is not None else ""
+        group = key if key and len(sessions_per_task[key]) >= 2 else ""
         for sample in built:
             sample.group = group
             kept = _truncate(sample, max_len)
             if kept is not None:
                 samples.append(kept)
     return samples
+
+
+def session_weights(samples: Sequence[Sample], weighting: Literal["token", "session"]) -> list[Sample]:
+    """Sets each sample's per-token loss weight over the whole batch (before split_for_ranks).
+
+    token:   every trained token weighs 1; the loss is the mean over tokens (DAPO-style), so a
+             session weighs as many tokens as it trained.
+    session: a session's trained tokens share a total weight of 1 (each weighs 1 / its session's
+             trained tokens in the batch); the loss is the mean over sessions of each session's
+             mean token loss, so a 10-turn session counts once, like a 1-turn one.
+    """
+    if weighting == "token":
+        return [replace(s, weight=1.0) for s in samples]
+    if weighting != "session":
+        raise ValueError(f"unknown weighting {weighting!r}")
+    tokens: dict[str, int] = defaultdict(int)
+    for s in samples:
+        tokens[s.session_id] += sum(1 for m in s.loss_mask if m)
+    return [replace(s, weight=1.0 / max(tokens[s.session_id], 1)) for s in samples]
 
 
 def split_for_ranks(
@@ -215,7 +261,8 @@ def split_for_ranks(
     mine = order[rank::world]
     if not mine:
         s = samples[order[0]]
-        blank = replace(s, loss_mask=[0] * len(s.loss_mask), behaviour_logprobs=[0.0] * len(s.loss_mask))
+        blank = replace(s, loss_mask=[0] * len(s.loss_mask), behaviour_logprobs=[0.0] * len(s.loss_mask),
+                        exact=[0] * len(s.loss_mask))
         return [blank], [0.0]
     return [samples[i] for i in mine], [advantages[i] for i in mine]
 
@@ -232,13 +279,16 @@ def pack(
     `advantages` (one per sample) should come from the whole batch across ranks; when None they are
     computed from these samples alone with `loss.group_advantages`. Keys (all [B, T] unless noted):
     input_ids, attention_mask, position_ids, loss_mask (float), behaviour_logprobs (fp32),
-    advantages (fp32, the sample's advantage on each trainable token, 0 elsewhere), rewards ([B]).
+    exact (float, 1 where the behaviour logprob fits the context), token_weights (loss_mask times
+    the sample's weight), advantages (fp32, the sample's advantage on each trainable token, 0
+    elsewhere), rewards ([B]).
     """
     if advantages is None:
         from trainer.loss import group_advantages
 
         advantages = group_advantages(
-            [s.reward for s in samples], [s.group for s in samples], normalize_std=normalize_std
+            [s.reward for s in samples], [s.group for s in samples], normalize_std=normalize_std,
+            sessions=[s.session_id or s.step_ids[0] for s in samples],
         )
     width = max(len(s.input_ids) for s in samples)
     n = len(samples)
@@ -246,6 +296,8 @@ def pack(
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width), dtype=torch.float32)
     behaviour = torch.zeros((n, width), dtype=torch.float32)
+    exact = torch.zeros((n, width), dtype=torch.float32)
+    weights = torch.zeros((n, width), dtype=torch.float32)
     adv = torch.zeros((n, width), dtype=torch.float32)
     for i, (s, a) in enumerate(zip(samples, advantages, strict=True)):
         t = len(s.input_ids)
@@ -253,6 +305,8 @@ def pack(
         attention_mask[i, :t] = 1
         loss_mask[i, :t] = torch.tensor(s.loss_mask, dtype=torch.float32)
         behaviour[i, :t] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        exact[i, :t] = torch.tensor(s.exact, dtype=torch.float32)
+        weights[i, :t] = s.weight * loss_mask[i, :t]
         adv[i, :t] = a * loss_mask[i, :t]
     # Right padding: real tokens sit at positions 0..t-1; padding positions are never attended to.
     position_ids = torch.arange(width).expand(n, width).clone()
@@ -262,6 +316,8 @@ def pack(
         "position_ids": position_ids,
         "loss_mask": loss_mask,
         "behaviour_logprobs": behaviour,
+        "exact": exact,
+        "token_weights": weights,
         "advantages": adv,
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
     }

@@ -192,3 +192,66 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+# --- trainer state: AdamW moments, next to (never inside) the served checkpoints ----------------------
+#
+# Without it every `atdp train --once` run starts AdamW afresh: m = v = 0, and the first Adam step
+# is lr * g / |g|, a sign-SGD step. The state is one file under <checkpoints>/.trainer-state/,
+# tagged with the version (name and checkpoint) whose weights it belongs to, and a run resumes it
+# only when it loads exactly that version. The served folder stays a plain HF checkpoint for vLLM.
+
+TRAINER_STATE_DIR = ".trainer-state"
+
+
+def trainer_state_path(checkpoints_dir: Path) -> Path:
+    return Path(checkpoints_dir) / TRAINER_STATE_DIR / "optimizer.pt"
+
+
+def save_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, version: str, checkpoint: str
+) -> None:
+    """Full (unsharded, parameter-name keyed) optimizer state, written atomically by rank 0.
+    A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_main():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        torch.save({"version": version, "checkpoint": str(checkpoint), "optimizer": osd}, tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)  # a reader sees the old state or the new one, never half of one
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *, version: str, checkpoint: str
+) -> bool:
+    """Loads the saved state into `optimizer` if it belongs to (version, checkpoint); True if it did.
+
+    Rank 0 reads the file and broadcasts it. The configured hyper-parameters (lr, weight decay) win
+    over the saved ones, so a run may change them and still keep the moments. A collective.
+    """
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    saved = None
+    if dist.is_main() and path.exists():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if (saved.get("version"), saved.get("checkpoint")) != (version, str(checkpoint)):
+            saved = None  # it belongs to other weights: its moments would point the wrong way
+    if not dist.broadcast_object(saved is not None):
+        return False
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if dist.is_initialized():
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, optimizer, saved["optimizer"] if saved else {}, options=opts)
+    else:
+        set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=StateDictOptions())
+    for group, h in zip(optimizer.param_groups, hyper, strict=True):
+        group.update(h)
+    return True

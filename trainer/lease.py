@@ -179,6 +179,7 @@ def load(s: Session, ids: list[str], *, current: str) -> Loaded:
                 prompt_exact=st.token_source == "engine",
                 reward=combine_rewards(values, policy.reward_combine),
                 version_lag=version_lag(versions, ranks, current),
+                tenant_id=st.tenant_id,
             )
         )
     return Loaded(steps=steps, tenant_of={i: r.tenant_id for i, r in rows.items()}, skipped=skipped)

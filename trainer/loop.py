@@ -11,7 +11,13 @@ One update, in order:
     4. train_step (ppo_epochs times) on the model of the serving version
     5. write the checkpoint; register the candidate + lineage; ask the proxy to swap
 The in-memory model continues across updates while its version serves; after a failed swap or a
-rollback it is reloaded from the serving version's checkpoint (optimizer state starts afresh).
+rollback it is reloaded from the serving version's checkpoint. The optimizer state is saved after
+every swap under <checkpoints>/.trainer-state/ and resumed when the model loaded is the version it
+belongs to (a `--once` run after a successful one, a restarted trainer).
+
+An update whose loss or weights are not finite is never published: its candidate is registered
+and marked failed at once (lineage kept, steps released), and the next update reloads the serving
+version (weights and optimizer state).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from typing import Any
 import torch
 
 from trainer import dist, numerics
-from trainer.batch import Sample, build_samples, micro_batches, split_for_ranks, split_stale
+from trainer.batch import Sample, build_samples, micro_batches, session_weights, split_for_ranks, split_stale
+from trainer.checkpoint import load_optimizer_state, save_optimizer_state, trainer_state_path
 from trainer.loss import PPOOptions, add_proximal_logprobs, group_advantages, train_step
 from trainer.numerics import Profile
 
@@ -58,6 +65,7 @@ class TrainConfig:
     max_len: int = 4096
     micro_batch_tokens: int = 8192
     normalize_std: bool = True
+    weighting: str = "session"  # token | session: how a session's tokens weigh in the loss (batch.session_weights)
     # optimisation
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -90,6 +98,8 @@ class Plan:
     session_of: dict[str, str] = field(default_factory=dict)  # step id -> session id
     n_steps: int = 0
     n_stale: int = 0
+    n_onpolicy_steps: int = 0  # redacted prompts: trained with the on-policy fallback
+    kl_ref_checkpoint: str | None = None  # the KL penalty's reference model; None = behaviour logprobs
     message: str = ""
 
 
@@ -186,17 +196,23 @@ class Controller:
             log.info("skipped %d stale steps (more than %d versions behind)", len(stale), cfg.max_version_lag)
         if not samples:
             return Plan(kind="wait", n_stale=len(stale), message="every leased step was skipped")
+        samples = session_weights(samples, cfg.weighting)
         advantages = group_advantages([x.reward for x in samples], [x.group for x in samples],
-                                      normalize_std=cfg.normalize_std)
+                                      normalize_std=cfg.normalize_std, sessions=[x.session_id for x in samples])
+        with self.factory() as s:
+            kl_ref = reference_checkpoint(s, cfg.ppo, current)
         return Plan(kind="train", samples=samples, advantages=advantages, version_id=current.id,
                     version_name=current.name, checkpoint=current.checkpoint, n_steps=len(used), n_stale=len(stale),
-                    session_of={st.step_id: st.session_id for st in fresh if st.step_id in used})
+                    session_of={st.step_id: st.session_id for st in fresh if st.step_id in used},
+                    n_onpolicy_steps=sum(1 for st in fresh if st.step_id in used and not st.prompt_exact),
+                    kl_ref_checkpoint=kl_ref)
 
     # --- 5: publish ------------------------------------------------------------------------------
 
     def publish(self, state: dict[str, torch.Tensor], plan: Plan, stats: dict[str, Any], update: int,
                 base_dir: Path) -> UpdateResult:
         from proxy import tables as t
+        from proxy.versions import mark_failed
         from trainer import swap
         from trainer.checkpoint import write_checkpoint
         from trainer.lease import LineageRow
@@ -207,8 +223,10 @@ class Controller:
         while out.exists():
             name += "b"
             out = cfg.checkpoints_dir / name
-        self.display.phase(f"writing checkpoint {name}")
-        write_checkpoint(state, base_dir=base_dir, out_dir=out, dtype=cfg.save_dtype)
+        problem = non_finite(state, stats)
+        if problem is None:
+            self.display.phase(f"writing checkpoint {name}")
+            write_checkpoint(state, base_dir=base_dir, out_dir=out, dtype=cfg.save_dtype)
 
         lineage = [
             LineageRow(step_id=i, session_id=plan.session_of[i], reward=smp.reward, advantage=adv)
@@ -216,17 +234,28 @@ class Controller:
             for i in smp.step_ids
         ]
         metrics = {**stats, "steps": plan.n_steps, "checkpoint": str(out), "samples": len(plan.samples), "stale": plan.n_stale,
+                   "exact_steps": plan.n_steps - plan.n_onpolicy_steps, "onpolicy_steps": plan.n_onpolicy_steps,
                    "trained_from": plan.version_name}
         version_id, name = swap.register_candidate(
             self.factory, name=name, checkpoint=str(out), parent_id=plan.version_id, run_id=self.run_id,
-            lineage=lineage, owner=cfg.owner, metrics=metrics,
+            lineage=lineage, owner=cfg.owner, metrics=_jsonable(metrics),
         )
         self.leased = []
-        self.display.phase(f"swapping to {name}")
-        outcome = swap.request_swap(
-            self.factory, proxy_url=cfg.proxy_url, admin_key=cfg.admin_key, version_id=version_id, name=name,
-            checkpoint=str(out), parent=plan.version_id, timeout_s=cfg.swap_timeout_s,
-        )
+        if problem is not None:
+            # NaN/inf weights must never reach the engine: the candidate (lineage kept, checkpoint
+            # not written) fails here, and mark_failed releases its steps for a later update.
+            error = f"not published: {problem}; checkpoint not written"
+            with self.factory() as s, s.begin():
+                mark_failed(s, version_id, error, actor="trainer")
+            log.error("update %d: %s", update, error)
+            outcome = swap.SwapOutcome(ok=False, version_id=version_id, name=name, status="failed", seconds=None,
+                                       error=error)
+        else:
+            self.display.phase(f"swapping to {name}")
+            outcome = swap.request_swap(
+                self.factory, proxy_url=cfg.proxy_url, admin_key=cfg.admin_key, version_id=version_id, name=name,
+                checkpoint=str(out), parent=plan.version_id, timeout_s=cfg.swap_timeout_s,
+            )
         metrics.update(version=name, swap_status=outcome.status, swap_seconds=outcome.seconds,
                        swap_error=outcome.error)
         with self.factory() as s, s.begin():
@@ -235,6 +264,34 @@ class Controller:
         result = UpdateResult(update=update, version=name, status=outcome.status, metrics=metrics)
         self.display.update(result)
         return result
+
+
+def non_finite(state: dict[str, torch.Tensor], stats: dict[str, Any]) -> str | None:
+    """Why these weights must not be published (a non-finite loss or weight), or None."""
+    import math
+
+    loss = stats.get("loss")
+    if loss is None or not math.isfinite(loss):
+        return f"non-finite loss {loss}"
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        return f"non-finite weights in {len(bad)} tensors ({', '.join(bad[:3])})"
+    return None
+
+
+def reference_checkpoint(s, opts: PPOOptions, current) -> str | None:
+    """The KL penalty's reference model: None for the behaviour logprobs (or no penalty), the root
+    of the serving version's lineage for "base", else the checkpoint path as given."""
+    from proxy import tables as t
+
+    if not opts.kl_coef or opts.kl_ref == "behaviour":
+        return None
+    if opts.kl_ref != "base":
+        return opts.kl_ref
+    version = current
+    while version.parent_id is not None:  # parents always exist: versions are never deleted
+        version = s.get(t.ModelVersion, version.parent_id)
+    return version.checkpoint
 
 
 def _jsonable(value: Any) -> Any:
@@ -304,6 +361,9 @@ class Policy:
         self.version: str | None = None
         self.checkpoint: Path | None = None
         self.numerics: Profile | None = None  # resolved once: the engine's kernels do not change
+        self.resumed = False  # the optimizer state was loaded from .trainer-state
+        self.ref_model = None  # the KL penalty's frozen reference, kept while its checkpoint is the same
+        self.ref_checkpoint: str | None = None
 
     def resolve_numerics(self, checkpoint: str) -> Profile:
         """The engine's numerics profile, probed by rank 0 against the weights it serves now."""
@@ -329,7 +389,31 @@ class Policy:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version, self.checkpoint = version, Path(checkpoint)
-        log.info("rank %d: model loaded from %s (%s)", dist.rank(), checkpoint, version)
+        # LoRA adapters are merged into each checkpoint and start afresh on load: their moments
+        # would belong to adapters that no longer exist.
+        self.resumed = not cfg.lora_r and load_optimizer_state(
+            self.model, self.optimizer, trainer_state_path(cfg.checkpoints_dir), version=version,
+            checkpoint=checkpoint)
+        log.info("rank %d: model loaded from %s (%s), optimizer state %s", dist.rank(), checkpoint, version,
+                 "resumed" if self.resumed else "fresh")
+
+    def save_state(self) -> None:
+        """The optimizer state of the version now in memory (a collective)."""
+        if not self.cfg.lora_r:
+            save_optimizer_state(self.model, self.optimizer, trainer_state_path(self.cfg.checkpoints_dir),
+                                 version=self.version, checkpoint=str(self.checkpoint))
+
+    def reference(self, checkpoint: str):
+        """The frozen reference policy for the KL penalty (sharded like the policy)."""
+        from trainer.model import load_model, shard
+
+        if self.ref_model is None or self.ref_checkpoint != checkpoint:
+            self.ref_model = None  # free the old one first
+            ref = load_model(checkpoint, dtype=self.cfg.dtype, grad_checkpointing=False,
+                             engine_numerics=self.resolve_numerics(checkpoint))
+            ref.requires_grad_(False)
+            self.ref_model, self.ref_checkpoint = shard(ref, compute_dtype=self.cfg.compute_dtype), checkpoint
+        return self.ref_model
 
     def update(self, plan: Plan) -> dict[str, Any]:
         cfg = self.cfg
@@ -338,10 +422,14 @@ class Policy:
         # Every rank must run as many micro-batches for the proximal pass (collectives).
         if cfg.ppo_epochs > 1:
             add_proximal_logprobs(self.model, mbs, temperature=cfg.ppo.temperature)
+        if cfg.ppo.kl_coef and plan.kl_ref_checkpoint:
+            add_proximal_logprobs(self.reference(plan.kl_ref_checkpoint), mbs, temperature=cfg.ppo.temperature,
+                                  key="ref_logprobs")
         rewards = [x.reward for x in plan.samples]
         stats: dict[str, Any] = {}
         for _ in range(cfg.ppo_epochs):
             stats = train_step(self.model, self.optimizer, mbs, cfg.ppo, rewards=rewards)
+        stats["optimizer_resumed"] = self.resumed
         return stats
 
 
@@ -377,6 +465,8 @@ def run(cfg: TrainConfig) -> list[UpdateResult]:
             if result.status == "serving":
                 policy.version = result.version  # the weights in memory are the serving ones now
                 policy.checkpoint = Path(result.metrics["checkpoint"])
+                policy.resumed = True  # the next update continues this optimizer state
+                policy.save_state()  # collective: a later --once run resumes it
             else:
                 policy.version = None  # reload the serving version next time
             update += 1

@@ -14,12 +14,16 @@ Three policies appear in decoupled PPO (AReaL):
 Tokens where the trainer and the engine disagree too much are dropped from the loss (IcePop-style
 ratio bounds, and/or a bound on the Bernoulli KL between the two token probabilities): those tokens
 carry mostly numerical mismatch, not signal.
+
+Every log-ratio is masked and clamped to +-LOG_RATIO_CLAMP before exp(): vLLM reports an impossible
+token as -9999, and exp(9999) = inf would turn into NaN through 0 * inf even on a masked token.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,37 +33,69 @@ from torch import nn
 
 from trainer import dist
 
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: far outside any ratio mask or clip, still finite in fp32
 
-def group_advantages(rewards: Sequence[float], groups: Sequence[str], *, normalize_std: bool) -> list[float]:
-    """Advantage = reward - baseline.
 
-    A sample whose group (task id) has >= 2 members in the batch uses its group's mean reward as the
-    baseline (GRPO). Any other sample (group "" or a group of one) uses the leave-one-out mean of all
-    *other* samples in the batch, so its own reward does not bias its baseline. A batch of one sample
-    has no baseline (0).
+def safe_exp_ratio(log_ratio: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio) where `valid`, 1 elsewhere; never inf or NaN, whatever the inputs hold.
+
+    torch.where, not multiplication by a 0/1 mask: 0 * inf is NaN, and so is its gradient.
+    The clamp stops the gradient of a token whose ratio is absurd (it is masked or clipped anyway).
+    """
+    log_ratio = torch.where(valid, log_ratio, torch.zeros_like(log_ratio))
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def group_advantages(
+    rewards: Sequence[float],
+    groups: Sequence[str],
+    *,
+    normalize_std: bool,
+    sessions: Sequence[str] | None = None,
+) -> list[float]:
+    """Advantage = reward - baseline, where every *session* counts once.
+
+    A multi-turn session can give several samples (per_step mode, or a broken chain); counted per
+    sample, a 10-turn session would weigh 10x in its group's mean and std. So each sample gets the
+    weight 1 / (samples of its session), and every statistic below is a weighted one: with equal
+    rewards inside a session this is exactly the mean over sessions.
+
+    A sample whose group (batch.group_key: tenant and task) has >= 2 sessions in the batch uses its
+    group's mean reward as the baseline (GRPO). Any other sample (group "" or a group of one
+    session) uses the mean over all *other sessions* of the batch, so its own session's reward
+    does not bias its baseline. A batch of one session has no baseline (0).
 
     normalize_std: divide by the std of the rewards the baseline came from (group, or whole batch),
     plus a small epsilon so that a group of equal rewards gives 0 rather than NaN.
+    sessions: the session of each sample; None = every sample is its own session.
     """
     if len(rewards) != len(groups):
         raise ValueError("rewards and groups must have the same length")
-    n = len(rewards)
-    members: dict[str, list[int]] = {}
+    sessions = list(sessions) if sessions is not None else [str(i) for i in range(len(rewards))]
+    if len(sessions) != len(rewards):
+        raise ValueError("rewards and sessions must have the same length")
+    per_session: dict[str, int] = defaultdict(int)
+    for sid in sessions:
+        per_session[sid] += 1
+    weight = [1.0 / per_session[sid] for sid in sessions]  # each session sums to 1
+
+    members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         if g:
-            members.setdefault(g, []).append(i)
-    total = sum(rewards)
-    batch_std = _std(rewards)
+            members[g].append(i)
+    everyone = range(len(rewards))
+    batch_std = _std([rewards[j] for j in everyone], [weight[j] for j in everyone])
 
     advantages = []
     for i, r in enumerate(rewards):
         group = members.get(groups[i], [])
-        if len(group) >= 2:
-            group_rewards = [rewards[j] for j in group]
-            baseline = sum(group_rewards) / len(group_rewards)
-            std = _std(group_rewards)
+        if len({sessions[j] for j in group}) >= 2:
+            baseline = _mean([rewards[j] for j in group], [weight[j] for j in group])
+            std = _std([rewards[j] for j in group], [weight[j] for j in group])
         else:
-            baseline = (total - r) / (n - 1) if n > 1 else 0.0  # leave-one-out batch mean
+            # leave-one-out: the weighted mean over the other sessions of the batch
+            others = [j for j in everyone if sessions[j] != sessions[i]]
+            baseline = _mean([rewards[j] for j in others], [weight[j] for j in others]) if others else 0.0
             std = batch_std
         a = r - baseline
         if normalize_std:
@@ -68,11 +104,17 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[str], *, normali
     return advantages
 
 
-def _std(xs: Sequence[float]) -> float:
+def _mean(xs: Sequence[float], weights: Sequence[float]) -> float:
+    return sum(w * x for x, w in zip(xs, weights, strict=True)) / sum(weights)
+
+
+def _std(xs: Sequence[float], weights: Sequence[float] | None = None) -> float:
+    """Population std, weighted when `weights` are given."""
     if len(xs) < 2:
         return 0.0
-    mean = sum(xs) / len(xs)
-    return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+    weights = [1.0] * len(xs) if weights is None else weights
+    mean = _mean(xs, weights)
+    return math.sqrt(_mean([(x - mean) ** 2 for x in xs], weights))
 
 
 def token_logprobs(
@@ -109,6 +151,18 @@ def bernoulli_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return p * (logp - logq) + (1 - p) * (log1m_p - log1m_q)
 
 
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref), Schulman's k3 estimator on tokens sampled from pi:
+
+        k3 = r - log r - 1,   r = pi_ref / pi
+
+    >= 0 for every token (unlike log(pi / pi_ref)), unbiased, low variance; its gradient
+    1 - pi_ref / pi pulls logp towards the reference. 0 where not `valid`.
+    """
+    log_r = torch.where(valid, ref_logp - logp, torch.zeros_like(logp)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_r) - log_r - 1
+
+
 def ppo_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -122,54 +176,85 @@ def ppo_loss(
     kl_mask: float | None,
     proximal_logp: torch.Tensor | None = None,
     num_tokens: float | None = None,
+    exact: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO-clip loss with token-level disagreement masking.
 
     logp: current policy (with grad). behaviour_logp: the engine's. proximal_logp: the old policy;
     None means the behaviour policy plays that role (importance weight 1).
+    loss_mask: > 0 on trained tokens, and that token's weight in the loss (1, or 1 / its session's
+    token count with per-session weighting; see batch.session_weights).
     The disagreement mask compares the trainer's view of the old policy (proximal_logp, or the
     current logp detached when none) with the engine's, so it flags numeric mismatch, not learning.
-    num_tokens: the normaliser; None = the number of unmasked tokens here. Pass a global count when
-    the batch is split across micro-batches or ranks.
-    Returns (loss, stats); stats: loss, clip_frac, masked_frac, mean_abs_logp_diff, tokens, mask_tokens.
+    exact: 1 where behaviour_logp was computed on exactly these context ids, 0 on tokens of a step
+    whose prompt was rewritten by redaction: those use the on-policy fallback (below).
+    kl_coef, ref_logp: add kl_coef * k3(pi || pi_ref) per token; ref_logp None = behaviour policy.
+    num_tokens: the normaliser; None = the summed weight of the kept tokens here. Pass a global
+    total when the batch is split across micro-batches or ranks.
+    Returns (loss, stats); stats: loss, clip_frac, masked_frac, mean_abs_logp_diff, kl, tokens,
+    mask_tokens, exact_tokens, onpolicy_tokens.
     """
-    mask = loss_mask > 0
-    prox = behaviour_logp if proximal_logp is None else proximal_logp
+    weight = loss_mask.float()
+    # A token without a finite engine logprob has no importance weight: it is not trained (batch.py
+    # already drops them; -inf - -inf would be NaN below).
+    mask = (weight > 0) & torch.isfinite(behaviour_logp)
+    behaviour_logp = torch.where(mask, behaviour_logp, torch.zeros_like(behaviour_logp))
     # Trainer's log-probability of the old policy: what the engine's number should have been.
     trainer_old = (logp if proximal_logp is None else proximal_logp).detach()
 
+    # --- on-policy fallback for redacted prompts ---
+    # The engine scored these tokens after another prompt (the original, not the redacted one we
+    # hold), so its logprob is not pi_b of this context. Take pi_b := the trainer's own detached
+    # logprob: importance weight 1, nothing to disagree with, a plain policy-gradient token.
+    on_policy = mask & (exact <= 0) if exact is not None else torch.zeros_like(mask)
+    behaviour_logp = torch.where(on_policy, trainer_old, behaviour_logp)
+    prox = behaviour_logp if proximal_logp is None else proximal_logp
+
     # --- token masking where trainer and engine disagree ---
-    train_vs_engine = torch.exp(trainer_old - behaviour_logp)  # p_train / p_engine
+    train_vs_engine = safe_exp_ratio(trainer_old - behaviour_logp, mask)  # p_train / p_engine
     keep = mask & (train_vs_engine >= ratio_mask_low) & (train_vs_engine <= ratio_mask_high)
     if kl_mask is not None:
         keep &= bernoulli_kl(trainer_old, behaviour_logp) <= kl_mask
-    keep_f = keep.float()
 
     # --- decoupled PPO-clip ---
-    behave_weight = torch.exp(prox - behaviour_logp).detach()  # pi_prox / pi_b; 1 when prox is None
-    ratio = torch.exp(logp - prox)  # r = pi / pi_prox
+    behave_weight = safe_exp_ratio(prox - behaviour_logp, keep).detach()  # pi_prox / pi_b; 1 when prox is None
+    ratio = safe_exp_ratio(logp - prox, keep)  # r = pi / pi_prox
     clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     surrogate = torch.minimum(ratio * advantages, clipped * advantages)  # pessimistic bound
     per_token = -behave_weight * surrogate
 
-    kept = keep_f.sum()
-    denom = num_tokens if num_tokens is not None else kept.clamp(min=1.0)
-    loss = (per_token * keep_f).sum() / denom
+    # --- optional KL penalty to a reference policy ---
+    kl = k3_kl(logp, behaviour_logp if ref_logp is None else ref_logp, keep)
+    if kl_coef:
+        per_token = per_token + kl_coef * kl
+
+    w = torch.where(keep, weight, torch.zeros_like(weight))  # dropped tokens weigh 0 (no 0 * inf)
+    kept_w = w.sum()
+    denom = num_tokens if num_tokens is not None else torch.where(kept_w > 0, kept_w, torch.ones_like(kept_w))
+    loss = (per_token * w).sum() / denom
 
     with torch.no_grad():
         # Clipped = the clipped term is the one min() picked (its gradient is zero there).
         is_clipped = (clipped * advantages < ratio * advantages) & keep
+        kept = keep.sum()
         n_mask = mask.sum()
+        exact_mask = mask & ~on_policy
         stats = {
             "loss": loss.item(),
             "clip_frac": (is_clipped.sum() / kept.clamp(min=1)).item(),
             "masked_frac": ((n_mask - kept) / n_mask.clamp(min=1)).item(),
-            # Trainer vs engine on the policy that sampled (before this update moved it).
+            # Trainer vs engine on the policy that sampled (before this update moved it); only
+            # tokens with a real engine logprob count.
             "mean_abs_logp_diff": (
-                (trainer_old - behaviour_logp).abs()[mask].sum() / n_mask.clamp(min=1)
+                (trainer_old - behaviour_logp).abs()[exact_mask].sum() / exact_mask.sum().clamp(min=1)
             ).item(),
+            "kl": (kl[keep].sum() / kept.clamp(min=1)).item(),
             "tokens": kept.item(),
             "mask_tokens": n_mask.item(),
+            "exact_tokens": exact_mask.sum().item(),
+            "onpolicy_tokens": on_policy.sum().item(),
         }
     return loss, stats
 
@@ -183,6 +268,10 @@ class PPOOptions:
     kl_mask: float | None = None
     temperature: float = 1.0
     max_grad_norm: float | None = 1.0
+    # KL penalty kl_coef * k3(pi || pi_ref); 0 = off. kl_ref: "behaviour" (the engine's logprobs:
+    # the versions that sampled), "base" (the root of the serving version's lineage) or a checkpoint.
+    kl_coef: float = 0.0
+    kl_ref: str = "behaviour"
 
 
 def train_step(
@@ -207,16 +296,18 @@ def train_step(
 
     # Global count of trainable tokens, and how many micro-batches the busiest rank has: every rank
     # must run as many forward/backward passes (FSDP collectives), extra ones with zero weight.
+    # The token weights (batch.session_weights) sum to the token count, or to the session count.
     local = torch.tensor(
-        [sum(mb["loss_mask"].sum().item() for mb in micro_batches), len(micro_batches)], dtype=torch.float64
+        [sum(_weights(mb).sum().item() for mb in micro_batches), len(micro_batches)], dtype=torch.float64
     )
-    total_tokens = dist.all_reduce(local.clone(), op="sum")[0].item()
+    total_weight = dist.all_reduce(local.clone(), op="sum")[0].item()
     n_passes = int(dist.all_reduce(local.clone(), op="max")[1].item())
-    # FSDP averages gradients over ranks; scale so the sum over ranks is normalised by total_tokens.
-    num_tokens = max(total_tokens, 1.0) / world
+    # FSDP averages gradients over ranks; scale so the sum over ranks is normalised by total_weight.
+    num_tokens = (total_weight if total_weight > 0 else 1.0) / world
 
     model.train()
-    sums = {"loss": 0.0, "clipped": 0.0, "masked": 0.0, "abs_diff": 0.0, "tokens": 0.0, "mask_tokens": 0.0}
+    keys = ["loss", "clipped", "masked", "abs_diff", "kl", "tokens", "mask_tokens", "exact_tokens", "onpolicy_tokens"]
+    sums = dict.fromkeys(keys, 0.0)
     seen_tokens = 0.0
     for k in range(n_passes):
         mb = {key: v.to(device) for key, v in micro_batches[min(k, len(micro_batches) - 1)].items()}
@@ -232,7 +323,7 @@ def train_step(
             logp,
             mb["behaviour_logprobs"],
             mb["advantages"],
-            mb["loss_mask"] * weight,
+            _weights(mb) * weight,
             clip_eps_low=opts.clip_eps_low,
             clip_eps_high=opts.clip_eps_high,
             ratio_mask_low=opts.ratio_mask_low,
@@ -240,6 +331,9 @@ def train_step(
             kl_mask=opts.kl_mask,
             proximal_logp=mb.get("proximal_logprobs"),
             num_tokens=num_tokens,
+            exact=mb.get("exact"),
+            kl_coef=opts.kl_coef,
+            ref_logp=mb.get("ref_logprobs"),
         )
         loss.backward()
         if weight:
@@ -247,9 +341,10 @@ def train_step(
             sums["loss"] += st["loss"] / world
             sums["clipped"] += st["clip_frac"] * st["tokens"]
             sums["masked"] += st["masked_frac"] * st["mask_tokens"]
-            sums["abs_diff"] += st["mean_abs_logp_diff"] * st["mask_tokens"]
-            sums["tokens"] += st["tokens"]
-            sums["mask_tokens"] += st["mask_tokens"]
+            sums["abs_diff"] += st["mean_abs_logp_diff"] * st["exact_tokens"]
+            sums["kl"] += st["kl"] * st["tokens"]
+            for k in ("tokens", "mask_tokens", "exact_tokens", "onpolicy_tokens"):
+                sums[k] += st[k]
             seen_tokens += mb["attention_mask"].sum().item()
 
     grad_norm = float("nan")
@@ -261,7 +356,6 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    keys = ["loss", "clipped", "masked", "abs_diff", "tokens", "mask_tokens"]
     g = dist.all_reduce(torch.tensor([sums[k] for k in keys] + [seen_tokens], dtype=torch.float64), op="sum")
     total = dict(zip(keys + ["seen"], g.tolist(), strict=True))
     elapsed = time.perf_counter() - t0
@@ -269,8 +363,11 @@ def train_step(
         "loss": total["loss"],
         "clip_frac": total["clipped"] / max(total["tokens"], 1.0),
         "masked_frac": total["masked"] / max(total["mask_tokens"], 1.0),
-        "mean_abs_logp_diff": total["abs_diff"] / max(total["mask_tokens"], 1.0),
+        "mean_abs_logp_diff": total["abs_diff"] / max(total["exact_tokens"], 1.0),
+        "kl": total["kl"] / max(total["tokens"], 1.0),
         "tokens": total["tokens"],
+        "exact_tokens": total["exact_tokens"],  # ratio against the engine's logprob
+        "onpolicy_tokens": total["onpolicy_tokens"],  # redacted prompt: on-policy fallback
         "tokens_per_s": total["seen"] / elapsed,
         "grad_norm": grad_norm,
         "step_s": elapsed,
@@ -281,13 +378,23 @@ def train_step(
     return stats
 
 
+def _weights(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token loss weights of a micro-batch (batch.pack); the 0/1 loss mask when it has none."""
+    return mb["token_weights"] if "token_weights" in mb else mb["loss_mask"]
+
+
 @torch.no_grad()
 def add_proximal_logprobs(
-    model: nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]], *, temperature: float = 1.0
+    model: nn.Module,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    *,
+    temperature: float = 1.0,
+    key: str = "proximal_logprobs",
 ) -> None:
-    """Stores the current policy's logprobs as `proximal_logprobs` in each micro-batch, before the
-    first of several optimizer steps on the same batch (PPO epochs). All ranks must call it with the
-    same number of micro-batches."""
+    """Stores the model's logprobs as `key` in each micro-batch: the current policy before the
+    first of several optimizer steps on the same batch (PPO epochs), or a frozen reference policy
+    for the KL penalty (key="ref_logprobs"). All ranks must call it with the same number of
+    micro-batches."""
     device = next(model.parameters()).device
     model.eval()
     for mb in micro_batches:
@@ -298,4 +405,4 @@ def add_proximal_logprobs(
             position_ids=mb["position_ids"].to(device),
             temperature=temperature,
         )
-        mb["proximal_logprobs"] = logp.cpu() * mb["loss_mask"]
+        mb[key] = logp.cpu() * mb["loss_mask"]
