@@ -274,7 +274,7 @@ def test_optimizer_state_resumes_across_once_runs_and_kl_to_base(start_proxy, fa
         _rewarded_sessions(proxy, f"r{round_}-", 3, task="t")
         kw = {"ppo": PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"), kl_coef=0.1, kl_ref="base")} \
             if round_ else {}
-        (result,) = run(_cfg(url, proxy, tmp_path, **kw))
+        (result,) = run(_cfg(url, proxy, tmp_path, optimizer_state="keep", **kw))
         m = result.metrics
         assert result.status == "serving" and m["optimizer_resumed"] is bool(round_)
         assert m["exact_steps"] == 3 and m["onpolicy_steps"] == 0
@@ -283,3 +283,15 @@ def test_optimizer_state_resumes_across_once_runs_and_kl_to_base(start_proxy, fa
         saved = torch.load(trainer_state_path(tmp_path / "checkpoints"), weights_only=True)
         assert (saved["version"], saved["checkpoint"]) == (result.version, m["checkpoint"])
         assert not any(p.name.endswith(".pt") for p in Path(m["checkpoint"]).iterdir())  # the served folder stays HF
+
+
+def test_fresh_optimizer_state_is_neither_saved_nor_resumed(start_proxy, fake_upstream, own_db, tiny_dir, tmp_path):
+    from trainer.checkpoint import trainer_state_path
+
+    url, factory = own_db
+    proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
+    for round_ in range(2):
+        _rewarded_sessions(proxy, f"f{round_}-", 3, task="t")
+        (result,) = run(_cfg(url, proxy, tmp_path, optimizer_state="fresh"))
+        assert result.status == "serving" and result.metrics["optimizer_resumed"] is False
+    assert not trainer_state_path(tmp_path / "checkpoints").exists()

@@ -26,7 +26,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def _cfg(home: Path, lr: float = 1e-3) -> TrainConfig:
     return TrainConfig(database_url="", proxy_url="", admin_key=None, checkpoints_dir=home / "checkpoints",
-                       engine_numerics="fp32", lr=lr, ppo=PPOOptions(ratio_mask_low=0.0, ratio_mask_high=math.inf))
+                       engine_numerics="fp32", optimizer_state="keep", lr=lr, ppo=PPOOptions(ratio_mask_low=0.0, ratio_mask_high=math.inf))
 
 
 def _plan(version: str, checkpoint: Path) -> Plan:
@@ -104,14 +104,16 @@ def test_every_loss_option_is_an_atdp_train_flag(monkeypatch, tmp_path):
     assert args.func(args) == 3
     cfg = seen[-1]
     assert cfg.ppo.kl_mask is None and cfg.ppo.kl_coef == 0.3 and cfg.ppo.kl_ref == "behaviour"
-    assert cfg.weighting == "session" and cfg.normalize_std and cfg.ppo.temperature == 1.0
+    assert cfg.weighting == "token" and cfg.normalize_std and cfg.ppo.temperature == 1.0
+    assert cfg.optimizer_state == "fresh"
 
     args = parser.parse_args(["train", "--once", "--kl-mask", "0.05", "--kl-coef", "0.1", "--kl-ref", "base",
-                              "--weighting", "token", "--normalize-std", "0", "--temperature", "0.7"])
+                              "--weighting", "session", "--normalize-std", "0", "--temperature", "0.7",
+                              "--optimizer-state", "keep"])
     args.func(args)
     cfg = seen[-1]
     assert (cfg.ppo.kl_mask, cfg.ppo.kl_coef, cfg.ppo.kl_ref, cfg.ppo.temperature) == (0.05, 0.1, "base", 0.7)
-    assert cfg.weighting == "token" and cfg.normalize_std is False
+    assert cfg.weighting == "session" and cfg.normalize_std is False and cfg.optimizer_state == "keep"
     # every PPOOptions field has a flag
     flags = {flag for flag, *_ in main.OPTIONS}
     for name, flag in {"clip_eps_low": "--clip-low", "clip_eps_high": "--clip-high", "kl_mask": "--kl-mask",
