@@ -10,26 +10,40 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from proxy import telemetry
 from proxy.auth import Principal
-from proxy.capture import CapturedStep, ChatCapture, ToolResultIn
 from proxy.errors import ApiError
-from proxy.ids import new_id
+from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn
 from proxy.sessions import Continuation, SessionRef, StepLink, match_key, prefix_hashes, resolve
-from proxy.upstream import Lease, NoReplicaAvailable, UpstreamResponse
+from proxy.state import AppState
+from proxy.store.ids import new_id
+from proxy.translate import TranslationError
+from proxy.translate.sse import iter_sse
+from proxy.upstream import (
+    Lease,
+    NoReplicaAvailable,
+    Replica,
+    ReplicaFailed,
+    UpstreamError,
+    UpstreamResponse,
+    failover,
+    upstream_error,
+)
 
 
 @dataclass
 class Call:
-    state: Any  # proxy.app.AppState
+    state: AppState
     principal: Principal
     api: str
     step_id: str
@@ -66,7 +80,7 @@ class Call:
             self.ttft_s = time.perf_counter() - self.t0
 
 
-def begin(state, request, principal: Principal, *, api: str, body: dict[str, Any], messages: list[Any],
+def begin(state: AppState, request: Request, principal: Principal, *, api: str, body: dict[str, Any], messages: list[Any],
           system: Any = None, tools: Any = None, tool_results_of=None, params: dict[str, Any] | None = None,
           path_session: str | None = None) -> Call:
     """Resolve the session and parent step of a call (in memory, no I/O)."""
@@ -93,49 +107,43 @@ def _client_info(headers) -> dict[str, Any]:
     return info
 
 
-async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str = "/v1/chat/completions") -> UpstreamResponse:
+async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str = "/v1/chat/completions"
+                        ) -> UpstreamResponse:
     """Send the call to a replica (sticky per session, failing over while nothing reached the client).
 
     Returns the upstream response with its headers read and its body not yet consumed; the caller
-    must `close_upstream`. Raises ApiError (502/503) when no replica could take it.
+    must `close_upstream`. Raises UpstreamError (502/503) when no replica could take it.
     """
     state = call.state
     content = orjson.dumps(upstream_body)
-    headers = {"content-type": "application/json"}
-    if state.settings_upstream_key:
-        headers["authorization"] = f"Bearer {state.settings_upstream_key}"
-    tried: set[str] = set()
-    last: str = "no upstream replica configured"
-    last_status = 503
-    while True:
-        replica = state.pool.pick_open(call.session.external_id, tried)
-        if replica is None:
-            raise ApiError(last_status, f"upstream unavailable: {last}")
-        tried.add(replica.url)
+    headers = {"content-type": "application/json", **state.pool.auth_headers}
+    http = state.http
+    assert http is not None, "the app is not started"
+
+    async def attempt(replica: Replica) -> UpstreamResponse:
         try:
             lease = await state.pool.acquire(replica)
         except NoReplicaAvailable as e:
-            last, last_status = str(e), 503
-            continue
+            raise ReplicaFailed(str(e), 503) from None
         try:
-            resp = UpstreamResponse(await state.http.post(replica.url + path, data=content, headers=headers))
+            resp = UpstreamResponse(await http.post(replica.url + path, data=content, headers=headers))
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             state.pool.release(lease)
             replica.mark_dead()
             telemetry.UPSTREAM_FAILURES.labels(replica.url).inc()
-            last, last_status = f"{replica.url}: {type(e).__name__}: {e}".rstrip(": "), 502
-            continue
+            raise ReplicaFailed(f"{replica.url}: {type(e).__name__}: {e}".rstrip(": ")) from None
         if resp.status_code >= 500:
             detail = (await resp.aread())[:500].decode(errors="replace")
             await resp.aclose()
             state.pool.release(lease)
             replica.mark_dead(1.0)
             telemetry.UPSTREAM_FAILURES.labels(replica.url).inc()
-            last, last_status = f"{replica.url} answered {resp.status_code}: {detail}", 502
-            continue
+            raise ReplicaFailed(f"{replica.url} answered {resp.status_code}: {detail}")
         replica.mark_alive()
         call.lease, call.version, call.upstream_url = lease, lease.version, replica.url
         return resp
+
+    return await failover(state.pool, call.session.external_id, attempt)
 
 
 async def close_upstream(call: Call, resp: UpstreamResponse | None) -> None:
@@ -202,6 +210,98 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
     )
 
 
+# --- reading the upstream answer (every door), relaying a translated stream (messages, responses) ---
+
+# What the proxy adds to every upstream request, for capture (the translators never ask for them).
+CAPTURE_FIELDS = {"return_token_ids": True, "logprobs": True}
+
+
+class Translator(Protocol):
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]: ...
+    def finish(self) -> list[bytes]: ...
+
+
+def translation_error(e: TranslationError) -> ApiError:
+    return ApiError(e.status, e.message)
+
+
+async def open_translated(call: Call, upstream_body: dict[str, Any]) -> UpstreamResponse:
+    """Send a translated request; an upstream failure is recorded and raised as an ApiError, which
+    the app renders in the door's own error shape (Anthropic or OpenAI), not vLLM's."""
+    try:
+        resp = await open_upstream(call, {**upstream_body, **CAPTURE_FIELDS})
+    except ApiError as e:
+        finish(call, status="error", error={"type": "upstream_unavailable", "message": e.message,
+                                                  "status_code": e.status})
+        e.headers = {**e.headers, **call.response_headers()}
+        raise
+    if resp.status_code >= 400:
+        data = await resp.aread()
+        upstream_url = call.upstream_url
+        await close_upstream(call, resp)
+        error = upstream_error(resp.status_code, data)
+        finish(call, status="error", error=error, upstream=upstream_url)
+        raise ApiError(resp.status_code, error["message"], headers=call.response_headers())
+    return resp
+
+
+async def read_completion(call: Call, resp: UpstreamResponse) -> dict[str, Any]:
+    """Read a non-streamed chat completion and feed it to the capture (upstream released)."""
+    try:
+        data = await resp.aread()
+    except UpstreamError as e:
+        await close_upstream(call, resp)
+        finish(call, status="error", error={"type": "upstream_error", "message": e.message})
+        e.headers = {**e.headers, **call.response_headers()}
+        raise
+    await close_upstream(call, resp)
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        finish(call, status="error", error={"type": "upstream_error", "message": "upstream sent invalid JSON"})
+        raise ApiError(502, "upstream sent invalid JSON", headers=call.response_headers()) from None
+    call.mark_token()
+    call.capture.feed_response(parsed)
+    return parsed
+
+
+async def relay(call: Call, resp: UpstreamResponse, translator: Translator, fail: Callable[[str], list[bytes]],
+                done: Callable[[str, dict[str, Any] | None], None]) -> AsyncIterator[bytes]:
+    """vLLM's chat chunks -> capture (raw) and translator (client events); `done(status, error)` once.
+
+    `done` runs however the stream ends: completed ("ok"), upstream error ("error"), or the client
+    leaving mid-stream ("aborted", the generator is closed at its pending `yield`).
+    """
+    status, error = "aborted", {"type": "client_disconnected", "message": "the client went away mid-stream"}
+    try:
+        async for payload in iter_sse(resp.aiter_raw()):
+            if payload == b"[DONE]":
+                continue
+            chunk = orjson.loads(payload)
+            if chunk.get("error") or chunk.get("object") == "error":  # vLLM's mid-stream failure
+                err = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
+                status, error = "error", {"type": "upstream_error", "message": str(err.get("message") or err)}
+                yield b"".join(translator.feed(chunk))  # the translator answers with its error event
+                break
+            call.capture.feed_chunk(chunk)
+            if call.ttft_s is None and call.capture.output_token_ids:
+                call.mark_token()
+            events = translator.feed(chunk)
+            if events:
+                yield b"".join(events)
+        else:
+            status, error = "ok", None
+            yield b"".join(translator.finish())
+    except UpstreamError as e:
+        status, error = "error", {"type": "upstream_error", "message": e.message}
+        yield b"".join(fail(e.message))
+    finally:
+        try:
+            done(status, error)
+        finally:
+            await close_upstream(call, resp)
+
+
 class GuardedStream(StreamingResponse):
     """An SSE response that records its call and frees its replica however the stream ends.
 
@@ -225,4 +325,3 @@ class GuardedStream(StreamingResponse):
             await close_upstream(self._call, self._resp)
 
 
-__all__ = ["Call", "begin", "open_upstream", "close_upstream", "finish", "prefix_hashes"]

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from sqlalchemy import text
 
-from proxy import db
+from proxy.store import db
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
@@ -150,8 +150,17 @@ def mounts(service: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def code_env_names() -> set[str]:
-    """Every ATDP_* name the shipped code mentions (what it can read)."""
+    """Every ATDP_* name the shipped code can read: the settings model's variables (ATDP_ + field name,
+    or the field's ATDP_* alias) and any other ATDP_* name the code mentions."""
+    from pydantic import AliasChoices
+
+    from proxy.config import Settings
+
     names: set[str] = set()
+    for field, info in Settings.model_fields.items():
+        names.add(f"ATDP_{field.upper()}")
+        if isinstance(info.validation_alias, AliasChoices):
+            names |= {a for a in info.validation_alias.choices if isinstance(a, str) and a.startswith("ATDP_")}
     for package in ("proxy", "trainer", "atdp_schema", "migrations"):
         for path in (REPO / package).rglob("*.py"):
             names |= set(re.findall(r"\bATDP_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
@@ -473,7 +482,7 @@ def test_trainer_command_runs_atdp_train_under_torchrun(monkeypatch):
 
 
 def _vllm_python() -> str | None:
-    from proxy.vllm_launcher import find_vllm_python
+    from proxy.demo.vllm import find_vllm_python
 
     return find_vllm_python()
 

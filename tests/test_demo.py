@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.demo import MARKER, prepare_home
-from proxy.demo_agent import BREVITY_WORDS, WRONG_NUMBER, Task, make_tasks, score
+from proxy.demo.agent import BREVITY_WORDS, WRONG_NUMBER, Task, make_tasks, score
+from proxy.demo.home import MARKER, prepare_home
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_home_is_created_reset_and_foreign_homes_refused(tmp_path):
 
 
 def _demo(home: Path, *args: str) -> subprocess.Popen:
-    from proxy.vllm_launcher import find_vllm_python
+    from proxy.demo.vllm import find_vllm_python
 
     vllm_python = find_vllm_python()
     if vllm_python is None:
@@ -100,7 +100,7 @@ def _demo(home: Path, *args: str) -> subprocess.Popen:
 
 
 def _assert_all_stopped(home: Path) -> None:
-    from proxy.vllm_launcher import _group_alive
+    from proxy.demo.vllm import _group_alive
 
     pids = json.loads((home / "demo" / "processes.json").read_text())
     assert {"proxy", "vllm", "trainer-1"} <= set(pids)

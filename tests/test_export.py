@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import select, update
 
 import atdp_schema
-from proxy import tables as t
 from proxy.cli import main
-from proxy.db import transaction
-from proxy.export import ExportFilter, export, iter_sessions
+from proxy.store import tables as t
+from proxy.store.db import transaction
+from proxy.tools.export import ExportFilter, export, iter_sessions
 from tests.fake_vllm import render
 from tests.session_builders import agent_session
 
@@ -135,7 +135,7 @@ def test_export_streams_in_batches(recorded, factory):
         # Batches of one session: the keyset pagination must visit each session exactly once, in order.
         assert [x.external_id for x in iter_sessions(s, ExportFilter(tenant=proxy.tenant), batch_size=1)] == [a, b, c]
         buf = io.BytesIO()
-        stats = export(s, ExportFilter(tenant=proxy.tenant), "jsonl", buf, batch_size=1)
+        stats = export(s, ExportFilter(tenant=proxy.tenant), "jsonl", buf, policies=proxy.state.policies, batch_size=1)
         # Nothing of earlier sessions is held: the identity map is emptied after each session.
         assert len(s.identity_map) == 0
     assert (stats.sessions, stats.steps) == (3, 5) and len(buf.getvalue().splitlines()) == 5

@@ -11,10 +11,9 @@ import pytest
 from sqlalchemy import select, update
 
 import atdp_schema
-from proxy import tables as t
 from proxy.auth import create_key
-from proxy.db import transaction
-from proxy.tenants import set_policy
+from proxy.store import tables as t
+from proxy.store.db import transaction
 from tests.session_builders import agent_session
 
 ADMIN = {"Authorization": "Bearer admin-test-key"}
@@ -117,7 +116,7 @@ def test_validation_errors_are_clear(captured, factory):
 def test_reward_range_and_combination_follow_tenant_policy(captured, factory):
     proxy, sid, steps = captured
     with transaction(factory) as s:
-        set_policy(s, proxy.tenant, {"reward_min": 0.0, "reward_max": 10.0, "reward_combine": "mean"}, actor="test")
+        proxy.state.policies.set_policy(s, proxy.tenant, {"reward_min": 0.0, "reward_max": 10.0, "reward_combine": "mean"}, actor="test")
     assert httpx.post(fb_url(proxy, sid), json={"reward": -0.5}).status_code == 422
     for r in (2.0, 4.0, 9.0):
         assert httpx.post(fb_url(proxy, sid), json={"reward": r}).status_code == 200

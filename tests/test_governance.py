@@ -10,10 +10,10 @@ import httpx
 import pytest
 from sqlalchemy import func, select, update
 
-from proxy import tables as t
 from proxy.cli import main as cli_main
-from proxy.governance import ByteCodec, TokenGuard, load_codec
-from proxy.records import full_prompt_ids
+from proxy.governance.tokens import ByteCodec, TokenGuard, load_codec
+from proxy.store import tables as t
+from proxy.store.tokens import full_prompt_ids
 
 ADMIN = {"authorization": "Bearer admin-test-key"}
 EMAIL, PHONE = "maria.gonzalez@fastmail.com", "+1 (415) 555-0132"
@@ -134,8 +134,8 @@ def test_tokens_are_dropped_when_the_redacted_history_is_unknown(start_proxy, fa
     proxy = start_proxy([fake_upstream.url], tokenizer="bytes")
     history = chat(proxy, f"#say mail {EMAIL}", session="forgetful")
     proxy.flush()
-    proxy.state.recorder.token_policy = TokenGuard(ByteCodec())  # as after a restart: nothing remembered
-    proxy.state.recorder._context_redacted.clear()
+    proxy.state.recorder.preparer.token_policy = TokenGuard(ByteCodec())  # as after a restart: nothing remembered
+    proxy.state.recorder.preparer._context_redacted.clear()
     chat(proxy, "#say next", session="forgetful", history=history)
     steps = [st for _, st in _by_session(proxy, factory)]
     assert [st.token_source for st in steps] == ["rederived", "dropped"]

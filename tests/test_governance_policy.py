@@ -6,14 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from proxy.governance import (
-    PolicyError,
-    TenantPolicy,
-    combine_rewards,
-    decide_eligibility,
-    load_policies,
-)
-from proxy.redaction import SECRET_ENTITIES, RedactionConfig
+from proxy.governance.policy import PolicyError, TenantPolicy, decide_eligibility, load_policies
+from proxy.governance.redaction import RedactionConfig
+from proxy.governance.secrets import SECRET_ENTITIES
+from proxy.store.rewards import combine_rewards
 
 CONSENTED = TenantPolicy(training_consent=True)
 

@@ -25,10 +25,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from proxy import db
-from proxy import tables as t
-from proxy.governance import ByteCodec
-from proxy.records import full_prompt_ids
+from proxy.governance.tokens import ByteCodec
+from proxy.store import db
+from proxy.store import tables as t
+from proxy.store.tokens import full_prompt_ids
 from tests.pii_corpus import SEEDED, seeded_messages
 
 CORPUS = seeded_messages()
@@ -94,9 +94,9 @@ def send_responses(proxy, session: str) -> None:
 
 
 DOORS: dict[str, Callable] = {"chat": send_chat}
-if importlib.util.find_spec("proxy.messages"):
+if importlib.util.find_spec("proxy.doors.messages"):
     DOORS["messages"] = send_messages
-if importlib.util.find_spec("proxy.responses"):
+if importlib.util.find_spec("proxy.doors.responses"):
     DOORS["responses"] = send_responses
 
 VALUES = [(kind, v) for kind, vs in SEEDED.items() for v in vs]

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy import db
+from proxy.store import db
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -76,7 +76,7 @@ def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tm
     engine = db.make_engine(url)
     own = db.session_factory(engine)
     proxy = start_proxy([vllm_server.base_url], database_url=url)
-    assert proxy.state.extra["versions"].ready.wait(60)
+    assert proxy.versions.ready.wait(60)
     home = tmp_path / "home"
     means: list[float] = []
     versions: list[str] = []
@@ -119,7 +119,7 @@ def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tm
     with own() as s:
         from sqlalchemy import select
 
-        from proxy import tables as t
+        from proxy.store import tables as t
 
         lineage = s.scalars(select(t.VersionLineage)).all()
         assert len(lineage) == SESSIONS * (ROUNDS - 1)  # every rewarded step trained exactly one version
@@ -128,7 +128,7 @@ def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tm
 
 
 def _external(factory, session_id: str) -> str:
-    from proxy import tables as t
+    from proxy.store import tables as t
 
     with factory() as s:
         return s.get(t.Session, session_id).external_id

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from proxy import tables as t
-from proxy.records import session_document
+from proxy.store import tables as t
+from proxy.store.read import session_document
 from proxy.translate.anthropic import messages_to_chat
 from proxy.translate.sse import SSEDecoder
 from tests.fake_vllm import render
@@ -281,7 +281,7 @@ def test_upstream_down_is_anthropic_502(start_proxy, factory):
 
 def test_bearer_and_x_api_key_both_authenticate(start_proxy, fake_upstream, factory):
     from proxy.auth import create_key
-    from proxy.db import transaction
+    from proxy.store.db import transaction
 
     proxy = start_proxy([fake_upstream.url], open_mode=False)
     with transaction(factory) as s:

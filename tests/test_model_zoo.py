@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import model_zoo
+from proxy.demo import model_zoo
 
 
 def _digest(folder: Path) -> dict[str, str]:

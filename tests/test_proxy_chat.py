@@ -11,7 +11,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from proxy import tables as t
+from proxy.store import tables as t
 from tests.fake_vllm import FakeVLLM, ServerThread, render
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "read a file",
@@ -174,7 +174,7 @@ def test_unknown_key_is_401(start_proxy, fake_upstream):
 
 def test_api_key_auth_binds_tenant(start_proxy, fake_upstream, factory):
     from proxy.auth import create_key
-    from proxy.db import transaction
+    from proxy.store.db import transaction
 
     proxy = start_proxy([fake_upstream.url], open_mode=False)
     with transaction(factory) as s:
@@ -288,8 +288,8 @@ def test_a_record_the_database_refuses_is_set_aside_not_blocking(start_proxy, fa
     good = httpx.post(proxy.v1 + "/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "one"}]})
     proxy.flush()
     # A record PostgreSQL cannot take (a token id beyond int4), then ordinary traffic.
-    from proxy.ids import new_id
-    from proxy.store import SessionInfo, StepRecord
+    from proxy.store.ids import new_id
+    from proxy.store.write import SessionInfo, StepRecord
 
     with factory() as s:
         row = s.get(t.Step, good.headers["x-atdp-step-id"])

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from sqlalchemy import func, select
 
-from proxy import db
-from proxy import tables as t
+from proxy.store import db
+from proxy.store import tables as t
 from tests.conftest import outside_tmp
 
 

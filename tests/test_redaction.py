@@ -11,16 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.redaction import (
-    DEFAULT_ENTITIES,
-    SECRET_ENTITIES,
-    RedactionConfig,
-    RedactionPool,
-    Redactor,
-    _merge,
-    _without_torch,
-    looks_secret,
-)
+from proxy.governance.redaction import RedactionConfig, Redactor, _without_torch
+from proxy.governance.redaction_pool import RedactionPool
+from proxy.governance.secrets import DEFAULT_ENTITIES, SECRET_ENTITIES, _merge, looks_secret
 from tests.pii_corpus import BENIGN, SEEDED, seeded_messages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,7 +270,7 @@ def test_offline_and_without_torch() -> None:
         "import socket, sys\n"
         "def boom(*a, **k): raise AssertionError('network used')\n"
         "socket.socket.connect = boom\nsocket.create_connection = boom\n"
-        "from proxy.redaction import Redactor\n"
+        "from proxy.governance.redaction import Redactor\n"
         "r = Redactor()\n"
         "out = r.redact_text('mail maria.gonzalez@fastmail.com now', 't')\n"
         "assert out.counts == {'EMAIL_ADDRESS': 1}, out\n"

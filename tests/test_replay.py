@@ -6,10 +6,10 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from proxy import tables as t
 from proxy.cli import main
-from proxy.records import rebuild_prompt_ids
-from proxy.replay import output_units, replay_session
+from proxy.store import tables as t
+from proxy.store.tokens import rebuild_prompt_ids
+from proxy.tools.replay import output_units, replay_session
 from tests.fake_vllm import render
 from tests.proxy_fixtures import shared_redactor
 from tests.session_builders import agent_session, anthropic_session
@@ -31,7 +31,8 @@ def test_replay_rebuilds_inputs_and_links_every_step(start_proxy, fake_upstream,
     sent_originally = list(fake_upstream.requests)
     fake_upstream.weights = "w1"  # "new weights": same tool choices, different text
     result = replay_session(factory, sid, tenant=proxy.tenant, upstream=fake_upstream.url,
-                            redactor=shared_redactor(b"test-secret"), secret=b"test-secret", model_version="v7")
+                            redactor=shared_redactor(b"test-secret"), secret=b"test-secret", policies=proxy.state.policies,
+                            model_version="v7")
     replayed = fake_upstream.requests[len(sent_originally):]
     # The replay sent each step's full input, rebuilt from redacted contents and the parents' outputs.
     assert [render(r["messages"]) for r in replayed] == [render(r["messages"]) for r in sent_originally]
@@ -100,7 +101,8 @@ def test_replay_against_real_vllm_reproduces_a_greedy_session(start_proxy, vllm_
     _, steps, prompts = _session_steps(factory, "vllm-replay", proxy.tenant)
     assert len(steps) == 3 and all(s.token_source == "engine" for s in steps)
     result = replay_session(factory, "vllm-replay", tenant=proxy.tenant, upstream=vllm_server.base_url,
-                            redactor=shared_redactor(b"test-secret"), secret=b"test-secret", model_version="base")
+                            redactor=shared_redactor(b"test-secret"), secret=b"test-secret", policies=proxy.state.policies,
+                            model_version="base")
     _, rsteps, rprompts = _session_steps(factory, result.session_id, proxy.tenant)
     assert [s.status for s in rsteps] == ["ok"] * 3
     # vLLM renders the rebuilt inputs to exactly the prompt ids it rendered for the agent, and greedy
@@ -119,7 +121,7 @@ def test_replay_of_an_anthropic_messages_session(start_proxy, fake_upstream, fac
     assert [s.api for s in steps] == ["messages", "messages"] and steps[1].parent_step_id == steps[0].id
     sent_originally = list(fake_upstream.requests)
     result = replay_session(factory, sid, tenant=proxy.tenant, upstream=fake_upstream.url,
-                            redactor=shared_redactor(b"test-secret"), secret=b"test-secret")
+                            redactor=shared_redactor(b"test-secret"), secret=b"test-secret", policies=proxy.state.policies)
     replayed = fake_upstream.requests[len(sent_originally):]
     # Stored Anthropic messages (the parent's answer included) translate to the same chat request.
     assert [render(r["messages"]) for r in replayed] == [render(r["messages"]) for r in sent_originally[-2:]]

@@ -14,8 +14,8 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from proxy import tables as t
-from proxy.responses import Sealer
+from proxy.doors.response_store import Sealer
+from proxy.store import tables as t
 from proxy.translate.responses import responses_to_chat
 from proxy.translate.sse import SSEDecoder
 from tests.fake_vllm import render
@@ -44,7 +44,7 @@ def sse_events(data: bytes) -> list[tuple[str | None, Any]]:
 
 
 def store_of(proxy):
-    return proxy.state.extra["response_store"]
+    return proxy.response_store
 
 
 # --- scripted upstream ---------------------------------------------------------------------------

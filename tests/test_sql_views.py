@@ -10,10 +10,11 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, inspect, or_, select, text
 
-from proxy import db
-from proxy import tables as t
-from proxy.db import transaction
-from proxy.replay import replay_session
+from proxy.governance.policies import Policies
+from proxy.store import db
+from proxy.store import tables as t
+from proxy.store.db import transaction
+from proxy.tools.replay import replay_session
 from tests.proxy_fixtures import shared_redactor
 from tests.session_builders import agent_session, anthropic_session
 
@@ -46,7 +47,7 @@ def world(request, db_url, factory, tmp_path_factory):
     app = create_app(settings, redactor=shared_redactor(settings.secret))
     server = ServerThread(app).start()
     wait_for_db(app.state.atdp)
-    proxy = RunningProxy(url=server.url, state=app.state.atdp, server=server, tenant=tenant)
+    proxy = RunningProxy.of(app, server, tenant)
     try:
         version = f"ver-{tenant}"
         a = agent_session(proxy, session_id=f"a-{tenant}", tool_results=("the notes say hi", "2 passed"))
@@ -71,7 +72,7 @@ def world(request, db_url, factory, tmp_path_factory):
                 s.add(t.VersionLineage(version_id=version, step_id=st.id, session_id=st.session_id, reward=reward))
         fake.weights = "w1"
         replay = replay_session(factory, a, tenant=tenant, upstream=upstream.url, redactor=shared_redactor(b"test-secret"),
-                                secret=b"test-secret", model_version="v-next")
+                                secret=b"test-secret", policies=Policies(), model_version="v-next")
         yield {"proxy": proxy, "tenant": tenant, "a": a, "b": b, "c": c, "d": d, "version": version,
                "steps_a": steps_a, "steps_b": steps_b, "replay": replay}
     finally:

@@ -17,12 +17,13 @@ from sqlalchemy.exc import DBAPIError
 
 import atdp_schema
 from atdp_schema import generate
-from proxy import db
-from proxy import tables as t
-from proxy.content import canonical, content_hash
-from proxy.ids import new_id, uuid7
-from proxy.records import session_document
-from proxy.store import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, rle, write_steps
+from proxy.store import db
+from proxy.store import tables as t
+from proxy.store.content import canonical, content_hash
+from proxy.store.ids import new_id, uuid7
+from proxy.store.read import session_document
+from proxy.store.tokens import rle
+from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, write_steps
 
 SECRET = b"test-secret"
 

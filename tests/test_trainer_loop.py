@@ -17,8 +17,9 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from proxy import db
-from proxy import tables as t
+from proxy.governance.policies import Policies
+from proxy.store import db
+from proxy.store import tables as t
 from trainer import lease
 from trainer.loop import TrainConfig, run
 from trainer.loss import PPOOptions
@@ -56,7 +57,7 @@ def _serving(factory, name: str, checkpoint: str, *, age_s: float = 0.0) -> str:
 def _proxy(start_proxy, fake_upstream, url, factory, tiny_dir):
     _serving(factory, "base", str(tiny_dir), age_s=60)
     proxy = start_proxy([fake_upstream.url], database_url=url)
-    assert proxy.state.extra["versions"].ready.wait(30)
+    assert proxy.versions.ready.wait(30)
     return proxy
 
 
@@ -119,7 +120,7 @@ def test_rewards_lag_and_stale_marking(start_proxy, fake_upstream, own_db, tiny_
     proxy.flush()
     with factory() as s, s.begin():
         ids = lease.lease(s, owner="T", ttl_s=60, max_steps=10)
-        loaded = lease.load(s, ids, current="base")
+        loaded = lease.load(s, ids, current="base", policies=Policies())
     by_id = {st.step_id: st for st in loaded.steps}
     assert by_id[steps[0].id].reward == -1.0 and by_id[steps[1].id].reward == 0.6
     second = by_id[steps[1].id]

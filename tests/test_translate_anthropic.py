@@ -12,12 +12,8 @@ import pytest
 from anthropic.types import Message
 
 from proxy.translate import TranslationError
-from proxy.translate.anthropic import (
-    MessagesStream,
-    chat_to_message,
-    count_tokens_chat_body,
-    messages_to_chat,
-)
+from proxy.translate.anthropic import count_tokens_chat_body, messages_to_chat
+from proxy.translate.anthropic_stream import MessagesStream, chat_to_message
 from proxy.translate.sse import SSEDecoder
 from tests import translate_chunks as vllm
 

@@ -12,12 +12,8 @@ import pytest
 from openai.types.responses import Response
 
 from proxy.translate import TranslationError
-from proxy.translate.responses import (
-    ResponsesStream,
-    chat_to_response,
-    responses_to_chat,
-    upstream_tool_name,
-)
+from proxy.translate.responses import responses_to_chat, upstream_tool_name
+from proxy.translate.responses_stream import ResponsesStream, chat_to_response
 from proxy.translate.sse import SSEDecoder
 from tests import translate_chunks as vllm
 

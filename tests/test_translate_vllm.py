@@ -17,8 +17,10 @@ import pytest
 from anthropic.types import Message
 from openai.types.responses import Response
 
-from proxy.translate.anthropic import MessagesStream, chat_to_message, messages_to_chat
-from proxy.translate.responses import ResponsesStream, chat_to_response, responses_to_chat
+from proxy.translate.anthropic import messages_to_chat
+from proxy.translate.anthropic_stream import MessagesStream, chat_to_message
+from proxy.translate.responses import responses_to_chat
+from proxy.translate.responses_stream import ResponsesStream, chat_to_response
 from proxy.translate.sse import SSEDecoder
 from tests import translate_chunks
 from tests.test_translate_anthropic import CLAUDE_CODE_REQUEST

@@ -16,10 +16,9 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from proxy import db
-from proxy import tables as t
-from proxy.records import rebuild_prompt_ids
-from proxy.store import unrle
+from proxy.store import db
+from proxy.store import tables as t
+from proxy.store.tokens import rebuild_prompt_ids, unrle
 from tests.fake_vllm import FakeVLLM, ServerThread
 
 ADMIN = {"authorization": "Bearer admin-test-key"}
@@ -64,7 +63,7 @@ def fakes():
 
 def _start(start_proxy, upstreams, url):
     proxy = start_proxy([u.url for u in upstreams], database_url=url)
-    assert proxy.state.extra["versions"].ready.wait(30)
+    assert proxy.versions.ready.wait(30)
     return proxy
 
 
@@ -242,7 +241,7 @@ def test_real_vllm_swap_exact_versions_under_load(start_proxy, vllm_server, tiny
 
     url, factory = own_db
     proxy = start_proxy([vllm_server.base_url], database_url=url)
-    assert proxy.state.extra["versions"].ready.wait(60)
+    assert proxy.versions.ready.wait(60)
     prompts = ["hello there", "what is 12 + 7?", "the quick brown fox", "say a number"]
     try:
         stop, results, errors = threading.Event(), [], []

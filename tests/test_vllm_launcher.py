@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.vllm_launcher import VLLMServer, VLLMStartError, default_vllm_venv, find_vllm_python, free_port
+from proxy.demo.vllm import VLLMServer, VLLMStartError, default_vllm_venv, find_vllm_python, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -26,11 +26,10 @@ from datetime import timedelta
 from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from proxy import tables as t
-from proxy.governance import combine_rewards
-from proxy.records import rebuild_prompt_ids
-from proxy.store import unrle
-from proxy.tenants import policy_for
+from proxy.governance.policies import Policies
+from proxy.store import tables as t
+from proxy.store.rewards import combine_rewards
+from proxy.store.tokens import rebuild_prompt_ids, unrle
 from trainer.batch import StepTokens
 
 UNKNOWN_LAG = 1_000_000
@@ -124,8 +123,9 @@ class Loaded:
     skipped: dict[str, str]  # step id -> reason (not trainable after all: no consent, lost prefix)
 
 
-def load(s: Session, ids: list[str], *, current: str) -> Loaded:
-    """The leased steps as StepTokens (full prompt ids, rewards, version lags)."""
+def load(s: Session, ids: list[str], *, current: str, policies: Policies) -> Loaded:
+    """The leased steps as StepTokens (full prompt ids, rewards, version lags); consent is checked
+    again here, under `policies` (the database row over ATDP_POLICY_FILE over the defaults)."""
     rows = {st.id: st for st in s.scalars(select(t.Step).where(t.Step.id.in_(ids)))}
     sessions = {x.id: x for x in s.scalars(select(t.Session).where(t.Session.id.in_({r.session_id for r in rows.values()})))}
     feedback = s.execute(
@@ -138,7 +138,7 @@ def load(s: Session, ids: list[str], *, current: str) -> Loaded:
     for session_id, step_id, reward in feedback:
         (step_rewards[step_id] if step_id else session_rewards[session_id]).append(reward)
 
-    policies = {tenant: policy_for(s, tenant) for tenant in {r.tenant_id for r in rows.values()}}
+    by_tenant = {tenant: policies.policy_for(s, tenant) for tenant in {r.tenant_id for r in rows.values()}}
     ranks = version_ranks(s)
     skipped: dict[str, str] = {}
     prompts: dict[str, list[int]] = {}
@@ -150,7 +150,7 @@ def load(s: Session, ids: list[str], *, current: str) -> Loaded:
 
     steps: list[StepTokens] = []
     for step_id, st in rows.items():
-        policy = policies[st.tenant_id]
+        policy = by_tenant[st.tenant_id]
         if step_id in skipped:
             continue
         if not policy.training_consent:

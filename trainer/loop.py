@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from proxy.governance.policies import Policies
 from trainer import dist
 from trainer.batch import Sample, build_samples, micro_batches, split_for_ranks, split_stale
 from trainer.loss import PPOOptions, add_proximal_logprobs, group_advantages, train_step
@@ -71,6 +72,9 @@ class TrainConfig:
     seed: int = 0
     swap_timeout_s: float = 900.0
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    # Consent is checked again when steps are loaded: the database row over ATDP_POLICY_FILE over the
+    # defaults (ATDP_PRODUCTION: no consent unless given). `atdp train` builds it from the settings.
+    policies: Policies = field(default_factory=Policies)
 
 
 @dataclass
@@ -101,7 +105,7 @@ class Controller:
     """Rank 0's side: the database, the proxy, the display."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from proxy import db
+        from proxy.store import db
 
         self.cfg = cfg
         self.engine = db.make_engine(cfg.database_url)
@@ -112,11 +116,11 @@ class Controller:
         self.display = Display(enabled=sys.stdout.isatty())
 
     def start_run(self) -> str:
-        from proxy import tables as t
-        from proxy.ids import new_id
+        from proxy.store import tables as t
+        from proxy.store.ids import new_id
 
         self.run_id = new_id()
-        config = _jsonable({k: v for k, v in asdict(self.cfg).items() if k not in ("admin_key", "database_url")})
+        config = _jsonable({k: v for k, v in asdict(self.cfg).items() if k not in ("admin_key", "database_url", "policies")})
         with self.factory() as s, s.begin():
             s.add(t.TrainingRun(id=self.run_id, config=config, host=socket.gethostname()))
         return self.run_id
@@ -124,7 +128,7 @@ class Controller:
     def end_run(self, status: str) -> None:
         from datetime import UTC, datetime
 
-        from proxy import tables as t
+        from proxy.store import tables as t
         from trainer import lease
 
         with self.factory() as s, s.begin():
@@ -138,7 +142,7 @@ class Controller:
     # --- 1-3: the next batch ---------------------------------------------------------------------
 
     def next_plan(self) -> Plan:
-        from proxy.versions import serving_version
+        from proxy.store.versions import serving_version
         from trainer import lease
 
         cfg = self.cfg
@@ -165,7 +169,7 @@ class Controller:
             return Plan(kind="wait")
         self.leased = ids
         with self.factory() as s, s.begin():
-            loaded = lease.load(s, ids, current=current.name)
+            loaded = lease.load(s, ids, current=current.name, policies=cfg.policies)
             fresh, stale = split_stale(loaded.steps, max_version_lag=cfg.max_version_lag)
             reasons = dict(loaded.skipped)
             for st in stale:
@@ -192,7 +196,7 @@ class Controller:
 
     def publish(self, state: dict[str, torch.Tensor], plan: Plan, stats: dict[str, Any], update: int,
                 base_dir: Path) -> UpdateResult:
-        from proxy import tables as t
+        from proxy.store import tables as t
         from trainer import swap
         from trainer.checkpoint import write_checkpoint
         from trainer.lease import LineageRow

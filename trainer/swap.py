@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 from sqlalchemy.exc import IntegrityError
 
-from proxy import tables as t
-from proxy.ids import new_id
-from proxy.versions import mark_failed, next_name
+from proxy.store import tables as t
+from proxy.store.ids import new_id
+from proxy.store.versions import mark_failed, next_name
 from trainer.lease import LineageRow, complete
 
 log = logging.getLogger("atdp.trainer.swap")

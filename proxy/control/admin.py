@@ -7,8 +7,7 @@
     POST   /atdp/v1/retention/run              run the retention job now (admin)
     GET    /atdp/v1/audit                      audit rows, newest first (admin)
 
-`install` also swaps the writer's token policy for a `TokenGuard` when `ATDP_TOKENIZER` is set, and
-starts the periodic retention job (every `ATDP_RETENTION_INTERVAL_S`).
+`retention_loop` is the periodic retention job (every `ATDP_RETENTION_INTERVAL_S`), started by the app.
 """
 
 from __future__ import annotations
@@ -18,59 +17,39 @@ import logging
 from datetime import datetime
 from typing import Any
 
-import orjson
-from fastapi import FastAPI
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy import forget, governance, tenants
-from proxy import tables as t
-from proxy.app import read_json
 from proxy.errors import ApiError
+from proxy.governance import forget
+from proxy.governance.policy import PolicyError, TenantPolicy
+from proxy.http import DB_UNAVAILABLE, Route, json_response, read_json, run_db
+from proxy.state import AppState
+from proxy.store import tables as t
 
 log = logging.getLogger("atdp.admin")
 
 
-def _json(payload: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
-
-
-def _factory(state):
-    if state.factory is None:
-        raise ApiError(503, "the database is unavailable")
-    return state.factory
-
-
-async def _in_db(state, fn):
-    """Run `fn(session)` in one transaction on a worker thread."""
-    factory = _factory(state)
-
-    def work():
-        with factory() as s, s.begin():
-            return fn(s)
-
-    return await asyncio.to_thread(work)
-
-
-def _after_forget(state, report: forget.Forgotten, *, whole_tenant: bool = False) -> None:
+def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bool = False) -> None:
     state.recorder.forget(report.tenant, step_ids=report.step_ids,
                           content_hashes=None if whole_tenant else report.content_hashes)
 
 
-def _policy_response(tenant: str, policy: governance.TenantPolicy) -> Response:
-    return _json({"tenant": tenant, "policy": policy.to_dict()})
+def _policy_response(tenant: str, policy: TenantPolicy) -> Response:
+    return json_response({"tenant": tenant, "policy": policy.to_dict()})
 
 
-def install(app: FastAPI, state) -> None:
-    # The token guard (ATDP_TOKENIZER) is built with the recorder: proxy.writer_process.build_recorder.
-    state.extra.setdefault("on_start", []).append(_start_retention)
+def routes(state: AppState) -> list[Route]:
+    # The token guard (ATDP_TOKENIZER) is built with the recorder: proxy.record.writer_process.build_recorder.
 
     async def get_policy(request: Request) -> Response:
         tenant = request.path_params["tenant"]
         principal = await state.authenticate(request)
         if not principal.is_admin and principal.tenant != tenant:
             raise ApiError(403, "a tenant may read only its own policy", type="permission_error")
-        policy = await _in_db(state, lambda s: tenants.policy_for(s, tenant))
+        policy = await run_db(state, lambda s: state.policies.policy_for(s, tenant))
         return _policy_response(tenant, policy)
 
     async def put_policy(request: Request) -> Response:
@@ -80,8 +59,8 @@ def install(app: FastAPI, state) -> None:
         if not isinstance(changes, dict) or not changes:
             raise ApiError(400, "send a JSON object of policy keys to change")
         try:
-            policy = await _in_db(state, lambda s: tenants.set_policy(s, tenant, changes, actor=principal.actor))
-        except governance.PolicyError as e:
+            policy = await run_db(state, lambda s: state.policies.set_policy(s, tenant, changes, actor=principal.actor))
+        except PolicyError as e:
             raise ApiError(400, f"invalid policy: {e}") from None
         state.recorder.forget(tenant, content_hashes=[])  # drops the writer's cached policy
         return _policy_response(tenant, policy)
@@ -92,28 +71,28 @@ def install(app: FastAPI, state) -> None:
         tenant = request.query_params.get("tenant") if principal.is_admin else principal.tenant
         await asyncio.to_thread(state.recorder.flush, 10.0)  # a step still queued must not outlive the forget
         try:
-            report = await _in_db(state, lambda s: forget.forget_session(
+            report = await run_db(state, lambda s: forget.forget_session(
                 s, session_id, tenant=tenant, actor=principal.actor, reason=request.query_params.get("reason")))
         except LookupError as e:
             raise ApiError(409, str(e)) from None
         if report is None:
             raise ApiError(404, f"no session {session_id!r}" + (f" in tenant {tenant!r}" if tenant else ""))
         _after_forget(state, report)
-        return _json({"forgotten": "session", "session_id": session_id, "tenant": report.tenant, **report.counts()})
+        return json_response({"forgotten": "session", "session_id": session_id, "tenant": report.tenant, **report.counts()})
 
     async def delete_tenant(request: Request) -> Response:
         tenant = request.path_params["tenant"]
         principal = await state.authenticate(request, admin=True)
         await asyncio.to_thread(state.recorder.flush, 10.0)
-        report = await _in_db(state, lambda s: forget.forget_tenant(
+        report = await run_db(state, lambda s: forget.forget_tenant(
             s, tenant, actor=principal.actor, reason=request.query_params.get("reason")))
         _after_forget(state, report, whole_tenant=True)
-        return _json({"forgotten": "tenant", "tenant": tenant, **report.counts()})
+        return json_response({"forgotten": "tenant", "tenant": tenant, **report.counts()})
 
     async def run_retention(request: Request) -> Response:
         principal = await state.authenticate(request, admin=True)
         reports = await asyncio.to_thread(retention_once, state, principal.actor)
-        return _json({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports]})
+        return json_response({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports]})
 
     async def audit(request: Request) -> Response:
         await state.authenticate(request, admin=True)
@@ -126,9 +105,7 @@ def install(app: FastAPI, state) -> None:
         except ValueError as e:
             raise ApiError(400, f"bad query parameter: {e}") from None
 
-        def rows(s):
-            from sqlalchemy import select
-
+        def rows(s: Session) -> list[dict[str, Any]]:
             stmt = select(t.AuditEvent).order_by(t.AuditEvent.id.desc()).limit(limit + 1)
             if q.get("tenant"):
                 stmt = stmt.where(t.AuditEvent.tenant_id == q["tenant"])
@@ -149,37 +126,34 @@ def install(app: FastAPI, state) -> None:
                 for r in s.scalars(stmt)
             ]
 
-        found = await _in_db(state, rows)
+        found = await run_db(state, rows)
         more = len(found) > limit
         found = found[:limit]
-        return _json({"data": found, "next_before": found[-1]["id"] if more else None})
+        return json_response({"data": found, "next_before": found[-1]["id"] if more else None})
 
-    app.add_api_route("/atdp/v1/tenants/{tenant}/policy", get_policy, methods=["GET"])
-    app.add_api_route("/atdp/v1/tenants/{tenant}/policy", put_policy, methods=["PUT"])
-    app.add_api_route("/atdp/v1/sessions/{session_id}", delete_session, methods=["DELETE"])
-    app.add_api_route("/atdp/v1/tenants/{tenant}", delete_tenant, methods=["DELETE"])
-    app.add_api_route("/atdp/v1/retention/run", run_retention, methods=["POST"])
-    app.add_api_route("/atdp/v1/audit", audit, methods=["GET"])
+    return [
+        Route("/atdp/v1/tenants/{tenant}/policy", get_policy, ("GET",)),
+        Route("/atdp/v1/tenants/{tenant}/policy", put_policy, ("PUT",)),
+        Route("/atdp/v1/sessions/{session_id}", delete_session, ("DELETE",)),
+        Route("/atdp/v1/tenants/{tenant}", delete_tenant, ("DELETE",)),
+        Route("/atdp/v1/retention/run", run_retention, ("POST",)),
+        Route("/atdp/v1/audit", audit, ("GET",)),
+    ]
 
 
-def retention_once(state, actor: str = "system") -> list[forget.Forgotten]:
+def retention_once(state: AppState, actor: str = "system") -> list[forget.Forgotten]:
     """One retention pass on the proxy's database, then the writer's caches are told."""
-    factory = _factory(state)
-    with factory() as s, s.begin():
-        reports = forget.run_retention(s, policy_for=tenants.policy_for, actor=actor)
+    if state.factory is None:
+        raise ApiError(503, DB_UNAVAILABLE)
+    with state.factory() as s, s.begin():
+        reports = forget.run_retention(s, policy_for=state.policies.policy_for, actor=actor)
     for r in reports:
         _after_forget(state, r)
     return reports
 
 
-async def _start_retention(state) -> None:
-    interval = state.settings.retention_interval_s
-    if interval and interval > 0:
-        # Cancelled with the event loop at shutdown (asyncio.run cancels what is left).
-        state.extra["retention_task"] = asyncio.create_task(_retention_loop(state, interval))
-
-
-async def _retention_loop(state, interval: float) -> None:
+async def retention_loop(state: AppState, interval: float) -> None:
+    """The proxy's retention job, every `interval` seconds (ATDP_RETENTION_INTERVAL_S)."""
     while True:
         await asyncio.sleep(interval)
         if state.factory is None:

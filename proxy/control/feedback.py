@@ -1,4 +1,4 @@
-"""Rewards, comments and corrections on sessions, and reading sessions back as ATDP JSON.
+"""Rewards, comments and corrections on sessions, and closing them.
 
 Routes (session ids are the *public* ids, scoped to the caller's tenant; the admin key sees every
 tenant and may narrow with `?tenant=` or `X-ATDP-Tenant`):
@@ -7,8 +7,6 @@ tenant and may narrow with `?tenant=` or `X-ATDP-Tenant`):
   or a correction. Idempotent by `idempotency_key`. Comments and corrections are redacted before
   they are stored; every post is audited.
 - `POST /atdp/v1/sessions/{id}/close`: the session ends (it may still receive feedback).
-- `GET /atdp/v1/sessions/{id}`: the session as ATDP JSON.
-- `GET /atdp/v1/sessions`: the caller's sessions, filtered, newest first, cursor-paginated.
 
 The functions below the routes take a SQLAlchemy session and are called in a worker thread: the
 event loop never waits on PostgreSQL.
@@ -17,134 +15,80 @@ event loop never waits on PostgreSQL.
 from __future__ import annotations
 
 import asyncio
-import base64
 import math
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
-from sqlalchemy import and_, exists, func, select, tuple_
-from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy import exists, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from starlette.requests import Request
 from starlette.responses import Response
 
 from atdp_schema.models import FeedbackSource
-from proxy import tables as t
 from proxy.auth import Principal
-from proxy.content import content_hash
+from proxy.control.sessions import session_or_error, summarize
 from proxy.errors import ApiError
-from proxy.governance import combine_rewards
-from proxy.ids import new_id
-from proxy.records import feedback_model, session_document
-from proxy.tenants import policy_for
+from proxy.governance.policies import Policies
+from proxy.governance.redaction import TextRedactor
+from proxy.http import Endpoint, Route, json_response, read_json, run_db, scope_tenant
+from proxy.state import AppState
+from proxy.store import tables as t
+from proxy.store.content import content_hash
+from proxy.store.ids import new_id
+from proxy.store.read import feedback_model
 
 FEEDBACK_FIELDS = ("reward", "step_id", "source", "comment", "correction", "idempotency_key")
 SOURCES = tuple(s.value for s in FeedbackSource)
 MAX_TEXT = 64 * 1024
-MAX_LIMIT = 500
 
 
 # --- routes ----------------------------------------------------------------------------------------
 
 
-def install(app, state) -> None:
-    app.add_api_route("/atdp/v1/sessions", _list_route(state), methods=["GET"])
-    app.add_api_route("/atdp/v1/sessions/{session_id}", _get_route(state), methods=["GET"])
-    app.add_api_route("/atdp/v1/sessions/{session_id}/feedback", _feedback_route(state), methods=["POST"])
-    app.add_api_route("/atdp/v1/sessions/{session_id}/close", _close_route(state), methods=["POST"])
+def routes(state: AppState) -> list[Route]:
+    return [
+        Route("/atdp/v1/sessions/{session_id}/feedback", _feedback_route(state), ("POST",)),
+        Route("/atdp/v1/sessions/{session_id}/close", _close_route(state), ("POST",)),
+    ]
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
-
-
-def _scope_tenant(request: Request, principal: Principal) -> str | None:
-    """The tenant a call may see: its own; for the admin key, the one it names (None = all)."""
-    if principal.is_admin:
-        return request.query_params.get("tenant") or request.headers.get("x-atdp-tenant") or None
-    return principal.tenant
-
-
-async def run_db(state, fn: Callable[[Session], Any]) -> Any:
-    """Run `fn(session)` in a worker thread, in one transaction; database trouble becomes a 503."""
-    factory = state.factory
-    if factory is None:
-        raise ApiError(503, "the database is unavailable; try again shortly")
-
-    def work():
-        with factory() as s, s.begin():
-            return fn(s)
-
-    try:
-        return await asyncio.to_thread(work)
-    except (OperationalError, InterfaceError):
-        raise ApiError(503, "the database is unavailable; try again shortly") from None
-
-
-def _feedback_route(state):
+def _feedback_route(state: AppState) -> Endpoint:
     async def post_feedback(request: Request) -> Response:
         principal = await state.authenticate(request)
         body = await _read_body(request, state)
         fb = parse_feedback(body)
-        tenant = _scope_tenant(request, principal)
+        tenant = scope_tenant(request, principal)
         external_id = request.path_params["session_id"]
         # Fail fast (404/422) before paying for redaction.
-        session_tenant = await run_db(state, lambda s: find_session(s, external_id, tenant).tenant_id)
+        session_tenant = await run_db(state, lambda s: session_or_error(s, external_id, tenant).tenant_id)
         fb.body_hash = content_hash(state.settings.secret, fb.canonical())
         texts = [x for x in (fb.comment, fb.correction) if x is not None]
         if texts:
             redacted = await asyncio.to_thread(redact_texts, state.redactor, session_tenant, texts)
             fb.apply_redaction(redacted)
         try:
-            result = await run_db(state, lambda s: create_feedback(s, principal, external_id, tenant, fb))
+            result = await run_db(state, lambda s: create_feedback(s, state.policies, principal, external_id, tenant, fb))
         except IntegrityError:
             # A concurrent post with the same idempotency key won the race: answer as a replay.
-            result = await run_db(state, lambda s: create_feedback(s, principal, external_id, tenant, fb))
-        return _json(result)
+            result = await run_db(state, lambda s: create_feedback(s, state.policies, principal, external_id, tenant, fb))
+        return json_response(result)
 
     return post_feedback
 
 
-def _close_route(state):
+def _close_route(state: AppState) -> Endpoint:
     async def close(request: Request) -> Response:
         principal = await state.authenticate(request)
-        tenant = _scope_tenant(request, principal)
+        tenant = scope_tenant(request, principal)
         external_id = request.path_params["session_id"]
-        return _json(await run_db(state, lambda s: close_session(s, principal, external_id, tenant)))
+        return json_response(await run_db(state, lambda s: close_session(s, state.policies, principal, external_id, tenant)))
 
     return close
 
 
-def _get_route(state):
-    async def get_session(request: Request) -> Response:
-        principal = await state.authenticate(request)
-        tenant = _scope_tenant(request, principal)
-        external_id = request.path_params["session_id"]
-
-        def read(s: Session) -> bytes:
-            return session_document(s, find_session(s, external_id, tenant)).model_dump_json().encode()
-
-        return Response(await run_db(state, read), media_type="application/json")
-
-    return get_session
-
-
-def _list_route(state):
-    async def list_route(request: Request) -> Response:
-        principal = await state.authenticate(request)
-        q = parse_list_query(request.query_params, _scope_tenant(request, principal), all_tenants=principal.is_admin)
-        return _json(await run_db(state, lambda s: list_sessions(s, q)))
-
-    return list_route
-
-
-async def _read_body(request: Request, state) -> Any:
-    from proxy.app import read_json
-
+async def _read_body(request: Request, state: AppState) -> Any:
     return await read_json(request, min(state.settings.max_body_bytes, 1024 * 1024))
 
 
@@ -215,28 +159,13 @@ def parse_feedback(body: Any) -> FeedbackIn:
                       correction=correction, idempotency_key=key)
 
 
-def redact_texts(redactor, tenant: str, texts: list[str]) -> list[tuple[str, dict[str, int]]]:
-    if hasattr(redactor, "redact_many"):
-        return redactor.redact_many([(tenant, x) for x in texts])
-    return [redactor.redact_value(x, tenant) for x in texts]
+def redact_texts(redactor: TextRedactor, tenant: str, texts: list[str]) -> list[tuple[str, dict[str, int]]]:
+    return redactor.redact_many([(tenant, x) for x in texts])
 
 
-def find_session(s: Session, external_id: str, tenant: str | None) -> t.Session:
-    """The session with this public id, in `tenant` (None: any tenant, if the id is unambiguous)."""
-    q = select(t.Session).where(t.Session.external_id == external_id)
-    if tenant is not None:
-        q = q.where(t.Session.tenant_id == tenant)
-    rows = s.scalars(q.limit(2)).all()
-    if not rows:
-        raise ApiError(404, f"session '{external_id}' not found", code="session_not_found")
-    if len(rows) > 1:
-        raise ApiError(409, f"session id '{external_id}' exists in several tenants; pass ?tenant=")
-    return rows[0]
-
-
-def create_feedback(s: Session, principal: Principal, external_id: str, tenant: str | None, fb: FeedbackIn) -> dict:
+def create_feedback(s: Session, policies: Policies, principal: Principal, external_id: str, tenant: str | None, fb: FeedbackIn) -> dict:
     """Store one feedback (or return the earlier one with the same idempotency key) and audit it."""
-    session = find_session(s, external_id, tenant)
+    session = session_or_error(s, external_id, tenant)
     if fb.idempotency_key is not None:
         earlier = s.scalar(select(t.Feedback).where(
             t.Feedback.tenant_id == session.tenant_id, t.Feedback.session_id == session.id,
@@ -248,7 +177,7 @@ def create_feedback(s: Session, principal: Principal, external_id: str, tenant: 
             _audit(s, principal, session, earlier, replay=True)
             return feedback_model(earlier, session.external_id).model_dump(mode="json")
 
-    policy = policy_for(s, session.tenant_id)
+    policy = policies.policy_for(s, session.tenant_id)
     if fb.reward is not None and not policy.reward_min <= fb.reward <= policy.reward_max:
         raise ApiError(422, f"reward {fb.reward} is outside this tenant's range [{policy.reward_min}, {policy.reward_max}]",
                        code="reward_out_of_range")
@@ -281,180 +210,17 @@ def _audit(s: Session, principal: Principal, session: t.Session, fb: t.Feedback,
     ))
 
 
-def close_session(s: Session, principal: Principal, external_id: str, tenant: str | None) -> dict:
-    session = find_session(s, external_id, tenant)
+def close_session(s: Session, policies: Policies, principal: Principal, external_id: str, tenant: str | None) -> dict:
+    session = session_or_error(s, external_id, tenant)
     if session.status != "closed":
         session.status = "closed"
         session.ended_at = datetime.now(UTC)
         s.add(t.AuditEvent(actor=principal.actor, tenant_id=session.tenant_id, action="session.close",
                            target=session.external_id, details={}))
     s.flush()
-    return summarize(s, [session])[0]
+    return summarize(s, policies, [session])[0]
 
 
 # --- listing ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class ListQuery:
-    tenant: str | None
-    since: datetime | None = None
-    until: datetime | None = None
-    task_id: str | None = None
-    status: str | None = None
-    min_reward: float | None = None
-    max_reward: float | None = None
-    eligibility: str | None = None
-    limit: int = 50
-    cursor: tuple[datetime, str] | None = None
-
-
-def _time(name: str, value: str | None) -> datetime | None:
-    if not value:
-        return None
-    try:
-        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise ApiError(422, f"'{name}' must be an ISO 8601 time, not {value!r}") from None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
-def _number(name: str, value: str | None) -> float | None:
-    if value is None or value == "":
-        return None
-    try:
-        x = float(value)
-    except ValueError:
-        raise ApiError(422, f"'{name}' must be a number, not {value!r}") from None
-    if not math.isfinite(x):
-        raise ApiError(422, f"'{name}' must be finite")
-    return x
-
-
-def encode_cursor(started_at: datetime, session_id: str) -> str:
-    return base64.urlsafe_b64encode(orjson.dumps([started_at.isoformat(), session_id])).decode().rstrip("=")
-
-
-def decode_cursor(value: str) -> tuple[datetime, str]:
-    try:
-        when, sid = orjson.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
-        return datetime.fromisoformat(when), str(sid)
-    except Exception:
-        raise ApiError(422, "invalid 'cursor' (pass back the next_cursor of the previous page)") from None
-
-
-def parse_list_query(params, tenant: str | None, *, all_tenants: bool = False) -> ListQuery:
-    known = {"since", "until", "task_id", "status", "min_reward", "max_reward", "eligibility", "limit", "cursor", "tenant"}
-    unknown = sorted(set(params.keys()) - known)
-    if unknown:
-        raise ApiError(422, f"unknown query parameters {unknown}; known: {sorted(known)}")
-    try:
-        limit = int(params.get("limit") or 50)
-    except ValueError:
-        raise ApiError(422, "'limit' must be an integer") from None
-    if not 1 <= limit <= MAX_LIMIT:
-        raise ApiError(422, f"'limit' must be between 1 and {MAX_LIMIT}")
-    return ListQuery(
-        tenant=tenant, since=_time("since", params.get("since")), until=_time("until", params.get("until")),
-        task_id=params.get("task_id") or None, status=params.get("status") or None,
-        min_reward=_number("min_reward", params.get("min_reward")),
-        max_reward=_number("max_reward", params.get("max_reward")),
-        eligibility=params.get("eligibility") or None, limit=limit,
-        cursor=decode_cursor(params["cursor"]) if params.get("cursor") else None,
-    )
-
-
-def session_rewards(s: Session, sessions: list[t.Session]) -> dict[str, float | None]:
-    """Each session's combined session-scoped reward, by its tenant's `reward_combine`."""
-    if not sessions:
-        return {}
-    values: dict[str, list[float]] = defaultdict(list)
-    rows = s.execute(
-        select(t.Feedback.session_id, t.Feedback.reward)
-        .where(t.Feedback.session_id.in_([x.id for x in sessions]), t.Feedback.step_id.is_(None),
-               t.Feedback.reward.is_not(None))
-        .order_by(t.Feedback.created_at, t.Feedback.id)
-    )
-    for sid, reward in rows:
-        values[sid].append(reward)
-    policies: dict[str, Any] = {}
-    out: dict[str, float | None] = {}
-    for x in sessions:
-        if x.tenant_id not in policies:
-            policies[x.tenant_id] = policy_for(s, x.tenant_id)
-        out[x.id] = combine_rewards(values[x.id], policies[x.tenant_id].reward_combine) if values[x.id] else None
-    return out
-
-
-def summarize(s: Session, sessions: list[t.Session]) -> list[dict]:
-    if not sessions:
-        return []
-    ids = [x.id for x in sessions]
-    counts = dict(s.execute(select(t.Step.session_id, func.count()).where(t.Step.session_id.in_(ids))
-                            .group_by(t.Step.session_id)).all())
-    rewards = session_rewards(s, sessions)
-    originals = {x.replay_of for x in sessions if x.replay_of}
-    original_ext = dict(s.execute(select(t.Session.id, t.Session.external_id).where(t.Session.id.in_(originals))).all()) if originals else {}
-    return [{
-        "id": x.external_id, "tenant": x.tenant_id, "client": x.client, "task_id": x.task_id, "status": x.status,
-        "started_at": x.started_at.isoformat(), "last_step_at": x.last_step_at.isoformat() if x.last_step_at else None,
-        "ended_at": x.ended_at.isoformat() if x.ended_at else None, "steps": counts.get(x.id, 0),
-        "reward": rewards.get(x.id), "replay_of": original_ext.get(x.replay_of) if x.replay_of else None,
-        "labels": x.labels or {},
-    } for x in sessions]
-
-
-def list_sessions(s: Session, q: ListQuery) -> dict:
-    """A page of session summaries, newest first. Reward filters apply to the combined reward, which
-    depends on each tenant's policy, so they are applied here while scanning, not in SQL."""
-    conds = []
-    if q.tenant is not None:
-        conds.append(t.Session.tenant_id == q.tenant)
-    if q.since:
-        conds.append(t.Session.started_at >= q.since)
-    if q.until:
-        conds.append(t.Session.started_at < q.until)
-    if q.task_id:
-        conds.append(t.Session.task_id == q.task_id)
-    if q.status:
-        conds.append(t.Session.status == q.status)
-    if q.eligibility:
-        conds.append(exists().where(t.Step.session_id == t.Session.id, t.Step.eligibility == q.eligibility))
-    if q.min_reward is not None or q.max_reward is not None:
-        conds.append(exists().where(t.Feedback.session_id == t.Session.id, t.Feedback.step_id.is_(None),
-                                    t.Feedback.reward.is_not(None)))
-    after = q.cursor
-    page: list[t.Session] = []
-    more = False
-    batch = max(q.limit * 2, 50)
-    while len(page) <= q.limit:
-        stmt = select(t.Session).where(and_(*conds)) if conds else select(t.Session)
-        if after is not None:
-            stmt = stmt.where(tuple_(t.Session.started_at, t.Session.id) < tuple_(after[0], after[1]))
-        rows = s.scalars(stmt.order_by(t.Session.started_at.desc(), t.Session.id.desc()).limit(batch)).all()
-        if not rows:
-            break
-        rewards = session_rewards(s, rows) if q.min_reward is not None or q.max_reward is not None else {}
-        for row in rows:
-            r = rewards.get(row.id)
-            if q.min_reward is not None and (r is None or r < q.min_reward):
-                continue
-            if q.max_reward is not None and (r is None or r > q.max_reward):
-                continue
-            page.append(row)
-            if len(page) > q.limit:
-                break
-        after = (rows[-1].started_at, rows[-1].id)
-        if len(rows) < batch:
-            break
-    if len(page) > q.limit:
-        more = True
-        page = page[: q.limit]
-    next_cursor = encode_cursor(page[-1].started_at, page[-1].id) if more and page else None
-    return {"data": summarize(s, page), "next_cursor": next_cursor}
-
-
-__all__ = [
-    "FeedbackIn", "ListQuery", "close_session", "create_feedback", "find_session", "install", "list_sessions",
-    "parse_feedback", "parse_list_query", "session_rewards", "summarize",
-]

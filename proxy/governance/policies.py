@@ -1,4 +1,6 @@
-"""Tenants' governance policies as stored: the database row over the config file over the defaults."""
+"""Tenants' governance policies as they apply: the database row over the operator's file over the
+defaults. One `Policies` per process, built from its settings and passed down (no module state), so
+the proxy, its writer, the trainer and the CLI all read `ATDP_POLICY_FILE` and `ATDP_PRODUCTION`."""
 
 from __future__ import annotations
 
@@ -7,42 +9,47 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from proxy import tables as t
-from proxy.governance import TenantPolicy, load_policies
-from proxy.store import ensure_tenant
-
-_file_policies: dict[str, TenantPolicy] = {}
-
-
-def configure(policy_file: Path | None, *, demo: bool = False, production: bool = False) -> None:
-    """Load the operator's policy file (sections per tenant, plus [default])."""
-    global _file_policies
-    _file_policies = load_policies(policy_file) if policy_file else {}
-    if "default" not in _file_policies:
-        # Consent defaults off in production mode, on for local/demo use.
-        _file_policies["default"] = TenantPolicy(training_consent=demo or not production)
+from proxy.config import Settings
+from proxy.governance.policy import TenantPolicy, load_policies
+from proxy.store import tables as t
+from proxy.store.write import ensure_tenant
 
 
-def base_policy(tenant: str) -> TenantPolicy:
-    if not _file_policies:
-        configure(None)
-    return _file_policies.get(tenant) or _file_policies["default"]
+class Policies:
+    def __init__(self, file_policies: dict[str, TenantPolicy] | None = None, *, production: bool = False,
+                 demo: bool = False) -> None:
+        self._file = dict(file_policies or {})
+        if "default" not in self._file:
+            # Consent defaults off in production mode, on for local/demo use.
+            self._file["default"] = TenantPolicy(training_consent=demo or not production)
 
+    @classmethod
+    def load(cls, policy_file: Path | None, *, production: bool = False, demo: bool = False) -> Policies:
+        """The operator's policy file (sections per tenant, plus [default]); none: the defaults."""
+        return cls(load_policies(policy_file) if policy_file else None, production=production, demo=demo)
 
-def policy_for(s: Session, tenant: str) -> TenantPolicy:
-    row = s.get(t.Tenant, tenant)
-    base = base_policy(tenant)
-    if row is None or not row.policy:
-        return base
-    return TenantPolicy.from_dict({**base.to_dict(), **row.policy})
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Policies:
+        return cls.load(settings.policy_file, production=settings.production)
 
+    def base(self, tenant: str) -> TenantPolicy:
+        """The file's (or default) policy of a tenant, without the database's changes."""
+        return self._file.get(tenant) or self._file["default"]
 
-def set_policy(s: Session, tenant: str, changes: dict, *, actor: str) -> TenantPolicy:
-    """Apply (validated) policy changes for a tenant and audit them."""
-    ensure_tenant(s, tenant)
-    row = s.get(t.Tenant, tenant, with_for_update=True)
-    merged = TenantPolicy.from_dict({**policy_for(s, tenant).to_dict(), **changes})
-    row.policy = {**(row.policy or {}), **changes}
-    row.policy_updated_at = datetime.now(UTC)
-    s.add(t.AuditEvent(actor=actor, tenant_id=tenant, action="policy.update", target=tenant, details={"changes": changes}))
-    return merged
+    def policy_for(self, s: Session, tenant: str) -> TenantPolicy:
+        row = s.get(t.Tenant, tenant)
+        base = self.base(tenant)
+        if row is None or not row.policy:
+            return base
+        return TenantPolicy.from_dict({**base.to_dict(), **row.policy})
+
+    def set_policy(self, s: Session, tenant: str, changes: dict, *, actor: str) -> TenantPolicy:
+        """Apply (validated) policy changes for a tenant and audit them."""
+        ensure_tenant(s, tenant)
+        row = s.get(t.Tenant, tenant, with_for_update=True)
+        merged = TenantPolicy.from_dict({**self.policy_for(s, tenant).to_dict(), **changes})
+        row.policy = {**(row.policy or {}), **changes}
+        row.policy_updated_at = datetime.now(UTC)
+        s.add(t.AuditEvent(actor=actor, tenant_id=tenant, action="policy.update", target=tenant,
+                           details={"changes": changes}))
+        return merged

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from proxy.sessions import SessionRef
-
 
 @dataclass
 class ToolCallOut:
@@ -127,6 +125,15 @@ class ToolResultIn:
     call_id: str
     content: Any
     is_error: bool = False
+
+
+@dataclass
+class SessionRef:
+    tenant: str
+    external_id: str
+    source: str  # header | path | claude-code | codex | anthropic-metadata | continuation | new
+    client: str | None = None
+    task_id: str | None = None
 
 
 @dataclass

@@ -20,38 +20,34 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from proxy.capture import CapturedStep
 from proxy.config import Settings
-from proxy.spool import Spool
-from proxy.writer import Recorder
+from proxy.governance.policies import Policies
+from proxy.governance.redaction import RedactionConfig, TextRedactor
+from proxy.governance.redaction_pool import RedactionPool
+from proxy.governance.tokens import TokenGuard, load_codec, token_policy
+from proxy.record.capture import CapturedStep
+from proxy.record.recorder import Recorder
+from proxy.record.spool import Spool
 
 log = logging.getLogger("atdp.writer")
 
 _STATS = ("processed", "written", "spooled", "errors", "overflow")
 
 
-def build_recorder(settings: Settings, *, redactor=None, inline: bool = False) -> Recorder:
+def build_recorder(settings: Settings, policies: Policies, *, redactor: TextRedactor | None = None,
+                   inline: bool = False) -> Recorder:
     """The Recorder both modes run: redactor, tenant policies, token guard, spool."""
-    from proxy import governance, tenants
-
-    tenants.configure(settings.policy_file, production=settings.production)
     if redactor is None:
-        from proxy.redaction import RedactionConfig, RedactionPool
-
         # In its own process the writer may scan inline; extra workers only pay off beyond 2 cores.
         workers = settings.redaction_workers or max(1, (os.cpu_count() or 1) - 2)
         redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=workers,
                                  inline_chars=200_000 if inline else 0)
-    codec = governance.load_codec(settings.tokenizer) if hasattr(governance, "load_codec") else None
-    if codec is not None and hasattr(governance, "TokenGuard"):
-        token_policy = governance.TokenGuard(codec)
-    else:
-        token_policy = getattr(governance, "token_policy", None)
+    codec = load_codec(settings.tokenizer)
     return Recorder(
         secret=settings.secret, factory=None, spool=Spool(settings.spool_dir), redactor=redactor,
-        policy_for=lambda s, tenant: tenants.policy_for(s, tenant) if s is not None else tenants.base_policy(tenant),
+        policy_for=lambda s, tenant: policies.policy_for(s, tenant) if s is not None else policies.base(tenant),
         queue_size=settings.queue_size, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s,
-        token_policy=token_policy,
+        token_policy=TokenGuard(codec) if codec is not None else token_policy,
     )
 
 
@@ -69,13 +65,14 @@ class _QueueView:
 class WriterProcess:
     """The Recorder's interface, backed by a child process."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, policies: Policies) -> None:
         ctx = mp.get_context("spawn")
         self.settings = settings
+        self.policies = policies
         self._q = ctx.Queue(maxsize=settings.queue_size)
         self._shared = ctx.Array("q", len(_STATS))
         self._db_ok = ctx.Value("b", 0)
-        self._proc = ctx.Process(target=_child_main, args=(settings, self._q, self._shared, self._db_ok, os.getpid()),
+        self._proc = ctx.Process(target=_child_main, args=(settings, policies, self._q, self._shared, self._db_ok, os.getpid()),
                                  name="atdp-writer", daemon=True)
         self.queue = _QueueView(self._q)
         self.spool = Spool(settings.spool_dir)
@@ -97,7 +94,7 @@ class WriterProcess:
     def _spill(self, step: CapturedStep) -> None:
         try:
             if self._local is None:
-                self._local = build_recorder(self.settings, inline=True)
+                self._local = build_recorder(self.settings, self.policies, inline=True)
                 self._local.factory = self.factory
             records = self._local._prepare_safely([step])
             self.spool.append_segment([r.to_json() for r in records])
@@ -159,19 +156,19 @@ class WriterProcess:
                 log.warning("writer process did not stop in %.0f s; terminating it", timeout)
                 self._proc.terminate()
         self._q.close()
-        if self._local is not None and hasattr(self._local.redactor, "close"):
+        if self._local is not None:
             self._local.redactor.close()
 
 
-def _child_main(settings: Settings, q, shared, db_ok, parent_pid: int) -> None:
+def _child_main(settings: Settings, policies: Policies, q, shared, db_ok, parent_pid: int) -> None:
     # Ctrl-C goes to the whole process group: the parent decides when we stop (after a flush).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("presidio-analyzer", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from proxy import db
+    from proxy.store import db
 
-    rec = build_recorder(settings, inline=True)
+    rec = build_recorder(settings, policies, inline=True)
     rec.start()
     stop = threading.Event()
 
@@ -205,7 +202,6 @@ def _child_main(settings: Settings, q, shared, db_ok, parent_pid: int) -> None:
     stop.set()
     for i, key in enumerate(_STATS):
         shared[i] = rec.stats.get(key, 0)
-    if hasattr(rec.redactor, "close"):
-        rec.redactor.close()
+    rec.redactor.close()
     if engine is not None:
         engine.dispose()

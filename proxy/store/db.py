@@ -16,7 +16,7 @@ from proxy.config import Settings
 
 log = logging.getLogger("atdp.db")
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 DATABASE_NAME = "atdp"
 
 _embedded: dict[Path, object] = {}

@@ -5,36 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from atdp_schema import models as m
-from proxy import tables as t
-from proxy.store import unrle
-
-
-def rebuild_prompt_ids(steps: dict[str, t.Step], fetch=None) -> dict[str, list[int]]:
-    """Full prompt ids of each step, from stored suffixes plus ancestors' prompt+output ids."""
-    memo: dict[str, list[int]] = {}
-
-    def full(step: t.Step) -> list[int]:
-        if step.id in memo:
-            return memo[step.id]
-        ids = list(step.prompt_token_ids)
-        if step.prompt_prefix_len and step.parent_step_id:
-            parent = steps.get(step.parent_step_id) or (fetch(step.parent_step_id) if fetch else None)
-            if parent is None:
-                raise LookupError(f"step {step.id}: parent {step.parent_step_id} missing, prefix lost")
-            ids = (full(parent) + list(parent.output_token_ids))[: step.prompt_prefix_len] + ids
-        memo[step.id] = ids
-        return ids
-
-    return {sid: full(st) for sid, st in steps.items()}
-
-
-def full_prompt_ids(s: Session, step: t.Step) -> list[int]:
-    """One step's full prompt ids (its ancestors fetched as needed)."""
-    return rebuild_prompt_ids({step.id: step}, fetch=lambda i: s.get(t.Step, i))[step.id]
+from proxy.store import tables as t
+from proxy.store.rewards import combine_rewards
+from proxy.store.tokens import rebuild_prompt_ids
 
 
 def load_contents(s: Session, tenant: str, hashes: set[str]) -> dict[str, Any]:
@@ -50,7 +27,8 @@ def _ref(h: str | None, contents: dict[str, Any]) -> m.ContentRef | None:
     return None if h is None else m.ContentRef(hash=h, content=contents.get(h))
 
 
-def session_document(s: Session, session: t.Session) -> m.Session:
+def session_document(s: Session, session: t.Session, *, reward_combine: str = "last") -> m.Session:
+    """A stored session as ATDP JSON; `reward_combine` is the tenant policy's (`Policies.policy_for`)."""
     steps = list(s.scalars(select(t.Step).where(t.Step.session_id == session.id).order_by(t.Step.seq)))
     by_id = {st.id: st for st in steps}
     prompts = rebuild_prompt_ids(by_id, fetch=lambda i: s.get(t.Step, i))
@@ -87,7 +65,7 @@ def session_document(s: Session, session: t.Session) -> m.Session:
         started_at=session.started_at,
         ended_at=session.ended_at,
         labels=session.labels or {},
-        reward=session_reward(feedback, s, session.tenant_id),
+        reward=session_reward(feedback, reward_combine),
         replay_of=_external_id(s, session.replay_of),
         steps=[_step(st, session.external_id, contents, prompts[st.id], results_by_step.get(st.id, []), trained)
                for st in steps],
@@ -102,15 +80,10 @@ def _external_id(s: Session, session_id: str | None) -> str | None:
     return row.external_id if row else None
 
 
-def session_reward(feedback: list[t.Feedback], s: Session, tenant: str) -> float | None:
-    """The session-level reward after the tenant policy combined every session-scoped reward."""
+def session_reward(feedback: list[t.Feedback], reward_combine: str) -> float | None:
+    """The session-level reward: every session-scoped reward combined as the tenant's policy says."""
     values = [f.reward for f in feedback if f.reward is not None and f.step_id is None]
-    if not values:
-        return None
-    from proxy.governance import combine_rewards
-    from proxy.tenants import policy_for
-
-    return combine_rewards(values, policy_for(s, tenant).reward_combine)
+    return combine_rewards(values, reward_combine) if values else None
 
 
 def feedback_model(f: t.Feedback, session_external_id: str) -> m.Feedback:
@@ -177,6 +150,18 @@ def version_model(s: Session, v: t.ModelVersion) -> m.ModelVersion:
     )
 
 
-def per_token_versions(st: t.Step) -> list[str]:
-    return unrle(st.output_versions)
+def find_session(s: Session, session_id: str, tenant: str | None) -> t.Session | None:
+    """A session by its public id (within `tenant`; None: any tenant) or its internal id.
 
+    Raises LookupError when the public id names sessions of several tenants and no tenant was given.
+    """
+    q = select(t.Session).where(or_(t.Session.external_id == session_id, t.Session.id == session_id))
+    if tenant is not None:
+        q = q.where(t.Session.tenant_id == tenant)
+    rows = list(s.scalars(q))
+    exact = [r for r in rows if r.id == session_id]
+    if exact:
+        return exact[0]
+    if len(rows) > 1:
+        raise LookupError(f"session id {session_id!r} exists in {len(rows)} tenants: name the tenant")
+    return rows[0] if rows else None

@@ -16,7 +16,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from proxy import tables as t
+from proxy.store import tables as t
 
 log = logging.getLogger("atdp.store")
 
@@ -126,21 +126,6 @@ def pg_safe(value: Any) -> Any:
 
 def _has_nul(value: Any) -> bool:
     return b"\\u0000" in orjson.dumps(value)
-
-
-def rle(values: list[str]) -> list[list[Any]]:
-    """Run-length encode per-token versions: ["a","a","b"] -> [["a", 2], ["b", 1]]."""
-    runs: list[list[Any]] = []
-    for v in values:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return runs
-
-
-def unrle(runs: list[list[Any]]) -> list[str]:
-    return [v for v, n in runs for _ in range(n)]
 
 
 def ensure_tenant(s: Session, tenant_id: str) -> None:

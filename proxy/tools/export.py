@@ -21,7 +21,13 @@ import orjson
 from sqlalchemy import exists, or_, select, tuple_
 from sqlalchemy.orm import Session
 
-from proxy import tables as t
+from atdp_schema.models import ATDP_VERSION
+from proxy.governance.policies import Policies
+from proxy.governance.policy import TenantPolicy
+from proxy.store import tables as t
+from proxy.store.read import session_document, version_model
+from proxy.store.rewards import combine_rewards
+from proxy.store.tokens import rebuild_prompt_ids, unrle
 
 FORMATS = ("atdp-json", "jsonl", "parquet")
 TRAINABLE_SOURCES = ("engine", "rederived")
@@ -71,19 +77,15 @@ def _trainable(step_eligibility: str, token_source: str) -> bool:
     return step_eligibility == "eligible" and token_source in TRAINABLE_SOURCES
 
 
-def session_samples(s: Session, session: t.Session, *, eligible_only: bool, policies: dict) -> Iterator[dict[str, Any]]:
+def session_samples(s: Session, session: t.Session, *, eligible_only: bool, policies: Policies,
+                    seen: dict[str, TenantPolicy]) -> Iterator[dict[str, Any]]:
     """One training sample per step of a session (see the module docstring)."""
-    from proxy.governance import combine_rewards
-    from proxy.records import rebuild_prompt_ids
-    from proxy.store import unrle
-    from proxy.tenants import policy_for
-
     steps = list(s.scalars(select(t.Step).where(t.Step.session_id == session.id).order_by(t.Step.seq)))
     if not steps:
         return
     # Ancestors are needed for every prompt's prefix, even where they are filtered out below.
     prompts = rebuild_prompt_ids({st.id: st for st in steps}, fetch=lambda i: s.get(t.Step, i))
-    policy = policies.get(session.tenant_id) or policies.setdefault(session.tenant_id, policy_for(s, session.tenant_id))
+    policy = seen.get(session.tenant_id) or seen.setdefault(session.tenant_id, policies.policy_for(s, session.tenant_id))
     per_step: dict[str | None, list[float]] = defaultdict(list)
     for step_id, reward in s.execute(
         select(t.Feedback.step_id, t.Feedback.reward)
@@ -135,16 +137,16 @@ class ExportStats:
     steps: int = 0
 
 
-def export(s: Session, f: ExportFilter, fmt: str, out: IO[bytes] | str, *, batch_size: int = 100,
-           row_group: int = 1024) -> ExportStats:
+def export(s: Session, f: ExportFilter, fmt: str, out: IO[bytes] | str, *, policies: Policies,
+           batch_size: int = 100, row_group: int = 1024) -> ExportStats:
     """Write every record matching `f` to `out` (a binary stream; a path for Parquet)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {list(FORMATS)}, not {fmt!r}")
     stats = ExportStats()
     if fmt == "atdp-json":
-        _export_document(s, f, out, batch_size, stats)
+        _export_document(s, f, out, batch_size, stats, policies)
         return stats
-    policies: dict = {}
+    seen: dict[str, TenantPolicy] = {}
     writer = None
     rows: list[dict] = []
     if fmt == "parquet":
@@ -161,7 +163,7 @@ def export(s: Session, f: ExportFilter, fmt: str, out: IO[bytes] | str, *, batch
     try:
         for session in iter_sessions(s, f, batch_size):
             stats.sessions += 1
-            for sample in session_samples(s, session, eligible_only=f.eligible, policies=policies):
+            for sample in session_samples(s, session, eligible_only=f.eligible, policies=policies, seen=seen):
                 stats.steps += 1
                 if writer is None:
                     out.write(orjson.dumps(sample) + b"\n")
@@ -178,16 +180,14 @@ def export(s: Session, f: ExportFilter, fmt: str, out: IO[bytes] | str, *, batch
     return stats
 
 
-def _export_document(s: Session, f: ExportFilter, out: IO[bytes], batch_size: int, stats: ExportStats) -> None:
+def _export_document(s: Session, f: ExportFilter, out: IO[bytes], batch_size: int, stats: ExportStats,
+                     policies: Policies) -> None:
     """An ATDP `Document`, written piece by piece (sessions as they are read, then their versions)."""
-    from atdp_schema.models import ATDP_VERSION
-    from proxy.records import session_document, version_model
-
     versions: set[str] = set()
     out.write(b'{"atdp_version":' + orjson.dumps(ATDP_VERSION) + b',"sessions":[')
     first = True
     for session in iter_sessions(s, f, batch_size):
-        doc = session_document(s, session)
+        doc = session_document(s, session, reward_combine=policies.policy_for(s, session.tenant_id).reward_combine)
         if f.eligible:
             doc.steps = [st for st in doc.steps if _trainable(st.governance.eligibility, st.tokens.source)]
         for st in doc.steps:
@@ -235,26 +235,28 @@ def register(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from proxy import db
     from proxy.config import load_settings
+    from proxy.store import db
 
     if args.format == "parquet" and args.out == "-":
         print("atdp export: parquet needs --out PATH", file=sys.stderr)
         return 2
     f = ExportFilter(session=args.session, tenant=args.tenant, eligible=args.eligible, since=args.since,
                      until=args.until)
-    engine = db.make_engine(db.database_url(load_settings()))
+    settings = load_settings()
+    policies = Policies.from_settings(settings)
+    engine = db.make_engine(db.database_url(settings))
     try:
         factory = db.session_factory(engine)
         with factory() as s, s.begin():
             if args.out == "-":
-                stats = export(s, f, args.format, sys.stdout.buffer)
+                stats = export(s, f, args.format, sys.stdout.buffer, policies=policies)
                 sys.stdout.buffer.flush()
             elif args.format == "parquet":
-                stats = export(s, f, args.format, args.out)
+                stats = export(s, f, args.format, args.out, policies=policies)
             else:
                 with open(args.out, "wb") as out:
-                    stats = export(s, f, args.format, out)
+                    stats = export(s, f, args.format, out, policies=policies)
         with db.transaction(factory) as s:
             audit_export(s, f, args.format, args.out, stats)
     finally:
@@ -262,5 +264,3 @@ def cmd_export(args) -> int:
     print(f"exported {stats.steps} steps from {stats.sessions} sessions ({args.format})", file=sys.stderr)
     return 0
 
-
-__all__ = ["ExportFilter", "ExportStats", "audit_export", "export", "iter_sessions", "register", "session_samples"]

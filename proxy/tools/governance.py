@@ -10,20 +10,27 @@ from __future__ import annotations
 import json
 import sys
 import tomllib
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session
+
+    from proxy.governance.policies import Policies
 
 
-def _transaction():
-    from proxy import db
+def _transaction() -> tuple[Engine, AbstractContextManager[Session], Policies]:
+    """The database (migrated) and the tenant policies, as the settings name them."""
     from proxy.config import load_settings
+    from proxy.governance.policies import Policies
+    from proxy.store import db
 
     settings = load_settings()
     url = db.database_url(settings)
     db.upgrade(url)
     engine = db.make_engine(url)
-    from proxy import tenants
-
-    tenants.configure(settings.policy_file, production=settings.production)
-    return engine, db.transaction(db.session_factory(engine))
+    return engine, db.transaction(db.session_factory(engine)), Policies.from_settings(settings)
 
 
 def _print(obj) -> None:
@@ -31,12 +38,12 @@ def _print(obj) -> None:
 
 
 def cmd_forget(args) -> int:
-    from proxy import forget
+    from proxy.governance import forget
 
     if not args.session and not args.tenant:
         print("atdp forget needs --session ID or --tenant T", file=sys.stderr)
         return 2
-    engine, tx = _transaction()
+    engine, tx, _ = _transaction()
     try:
         with tx as s:
             if args.session:
@@ -58,12 +65,12 @@ def cmd_forget(args) -> int:
 
 
 def cmd_retention(args) -> int:
-    from proxy import forget, tenants
+    from proxy.governance import forget
 
-    engine, tx = _transaction()
+    engine, tx, policies = _transaction()
     try:
         with tx as s:
-            reports = forget.run_retention(s, policy_for=tenants.policy_for, actor="cli")
+            reports = forget.run_retention(s, policy_for=policies.policy_for, actor="cli")
         _print({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports]})
     finally:
         engine.dispose()
@@ -85,21 +92,20 @@ def parse_assignment(item: str) -> tuple[str, object]:
 
 
 def cmd_policy(args) -> int:
-    from proxy import tenants
-    from proxy.governance import PolicyError
+    from proxy.governance.policy import PolicyError
 
     try:
         changes = dict(parse_assignment(x) for x in getattr(args, "assignments", None) or [])
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 2
-    engine, tx = _transaction()
+    engine, tx, policies = _transaction()
     try:
         with tx as s:
             if args.policy_command == "show":
-                policy = tenants.policy_for(s, args.tenant)
+                policy = policies.policy_for(s, args.tenant)
             else:
-                policy = tenants.set_policy(s, args.tenant, changes, actor="cli")
+                policy = policies.set_policy(s, args.tenant, changes, actor="cli")
     except PolicyError as e:  # the transaction rolled back: nothing changed, nothing audited
         print(f"invalid policy: {e}", file=sys.stderr)
         return 2

@@ -16,13 +16,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from proxy import tables as t
+from atdp_schema.models import Eligibility, TokenSource
+from proxy.governance.policies import Policies
+from proxy.governance.redaction import TextRedactor
+from proxy.store import tables as t
 
 REPLAY_CLIENT = "atdp-replay"
 _ASSISTANT_KEYS = ("role", "content", "tool_calls", "name")
@@ -130,28 +133,23 @@ class ReplayResult:
 
 
 def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: str | None, upstream: str,
-                   redactor, secret: bytes, model_version: str | None = None, model: str | None = None,
-                   timeout_s: float = 600.0, actor: str = "cli") -> ReplayResult:
+                   redactor: TextRedactor, secret: bytes, policies: Policies, model_version: str | None = None,
+                   model: str | None = None, timeout_s: float = 600.0, actor: str = "cli") -> ReplayResult:
     """Replay every step of a session (public id) against `upstream` (a vLLM-compatible URL)."""
     import httpx
 
-    from proxy.capture import ChatCapture
-    from proxy.content import canonical, content_hash
-    from proxy.ids import new_id
-    from proxy.records import load_contents
-    from proxy.store import ContentRow, SessionInfo, StepRecord, ToolCallRow, rle, write_steps
-    from proxy.tenants import policy_for
-    from proxy.writer import common_prefix
+    from proxy.record.capture import CapturedStep, ChatCapture, SessionRef
+    from proxy.record.prepare import dropped_tokens, engine_tokens, retention_until, step_record
+    from proxy.store.content import canonical, content_hash
+    from proxy.store.ids import new_id
+    from proxy.store.read import find_session, load_contents
+    from proxy.store.tokens import common_prefix
+    from proxy.store.write import ContentRow, SessionInfo, ToolCallRow, write_steps
 
     with factory() as s:
-        q = select(t.Session).where(t.Session.external_id == session_id)
-        if tenant is not None:
-            q = q.where(t.Session.tenant_id == tenant)
-        found = s.scalars(q.limit(2)).all()
-        if len(found) != 1:
-            raise LookupError(f"session {session_id!r} not found" if not found
-                              else f"session id {session_id!r} is in several tenants: pass --tenant")
-        original = found[0]
+        original = find_session(s, session_id, tenant)
+        if original is None:
+            raise LookupError(f"session {session_id!r} not found")
         steps = list(s.scalars(select(t.Step).where(t.Step.session_id == original.id).order_by(t.Step.seq)))
         hashes: set[str] = set()
         for st in steps:
@@ -161,7 +159,7 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
         # A parent outside this session (rare) is fetched lazily; a content it needs that is not
         # loaded here is reported as missing, never guessed.
         inputs = rebuild_inputs({st.id: st for st in steps}, contents, fetch=lambda i: s.get(t.Step, i))
-        policy = policy_for(s, original.tenant_id)
+        policy = policies.policy_for(s, original.tenant_id)
 
     tenant_id = original.tenant_id
     info = SessionInfo(tenant_id=tenant_id, external_id=f"replay-{new_id()}", client=REPLAY_CLIENT,
@@ -191,33 +189,40 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
             action = cap.action(cap.assistant_message() if status == "ok" else None)
             (out_body, counts), = _redact(redactor, tenant_id, [action])
             out_hash = content_hash(secret, action)
-            output_ids, logprobs, prompt_ids = list(cap.output_token_ids), list(cap.output_logprobs), list(cap.prompt_token_ids)
-            token_source = "engine" if (output_ids or prompt_ids) else "none"
-            if counts and token_source == "engine":
-                # The raw output held something the redactor removed: its token ids must not be kept.
-                token_source, output_ids, logprobs, prompt_ids = "dropped", [], [], []
             parent = replay_ids.get(st.parent_step_id) if st.parent_step_id else None
-            prefix = common_prefix(sequences[parent], prompt_ids) if parent in sequences and token_source == "engine" else 0
             step_id = new_id()
-            if token_source == "engine":
-                sequences[step_id] = prompt_ids + output_ids
-            calls = [ToolCallRow(call_id=tc["id"], name=tc["name"], arguments=tc.get("arguments"))
-                     for tc in out_body.get("tool_calls", []) if tc.get("id")]
-            record = StepRecord(
-                id=step_id, session=info, api=st.api, status=status, started_at=started, parent_step_id=parent,
-                error=error, upstream=upstream, model=cap.model or body.get("model"), model_version=model_version,
-                system_hash=st.system_hash, tools_hash=st.tools_hash, history_len=st.history_len,
-                message_hashes=list(st.message_hashes), params=st.params or {}, output_hash=out_hash,
+            usage = cap.usage or {}
+            captured = CapturedStep(
+                step_id=step_id, session=SessionRef(tenant=tenant_id, external_id=info.external_id, source="replay",
+                                                    client=REPLAY_CLIENT, task_id=original.task_id),
+                api=st.api, started_at=started, parent_step_id=parent, history_len=st.history_len, system=None,
+                tools=None, new_messages=[], tool_results=[], params=st.params or {}, action=action,
+                prompt_token_ids=list(cap.prompt_token_ids), output_token_ids=list(cap.output_token_ids),
+                output_logprobs=list(cap.output_logprobs), output_tokens_text=[], finish_reason=cap.finish_reason,
+                status=status, error=error, upstream=upstream, model=cap.model or body.get("model"),
+                model_version=model_version, ttft_ms=None, total_ms=total_ms,
+                prompt_tokens=usage.get("prompt_tokens") or len(cap.prompt_token_ids),
+                completion_tokens=usage.get("completion_tokens") or len(cap.output_token_ids), transcript_hash=None,
+                replay_of=st.id,
+            )
+            tokens = engine_tokens(captured)
+            if counts and tokens.source == TokenSource.engine:
+                # The raw output held something the redactor removed: its token ids must not be kept.
+                tokens = dropped_tokens()
+            engine = tokens.source == TokenSource.engine
+            prefix = common_prefix(sequences[parent], tokens.prompt_ids) if engine and parent in sequences else 0
+            if engine:
+                sequences[step_id] = tokens.prompt_ids + tokens.output_ids
+            refs = {"system": st.system_hash, "tools": st.tools_hash, "messages": list(st.message_hashes),
+                    "output": out_hash, "results": []}
+            record = step_record(
+                captured, session=info, refs=refs,
                 contents=[ContentRow(hash=out_hash, kind="output", body=out_body, size=len(canonical(action)),
                                      redaction=dict(counts))],
-                tool_calls=calls, token_source=token_source, prompt_prefix_len=prefix,
-                prompt_token_ids=prompt_ids[prefix:], output_token_ids=output_ids, output_logprobs=logprobs,
-                output_versions=rle([model_version or "unknown"] * len(output_ids)), finish_reason=cap.finish_reason,
-                total_ms=total_ms, prompt_tokens=(cap.usage or {}).get("prompt_tokens") or len(cap.prompt_token_ids),
-                completion_tokens=(cap.usage or {}).get("completion_tokens") or len(cap.output_token_ids),
-                redaction=dict(counts), eligibility="debug_only", eligibility_reason=f"replay of step {st.id}",
-                retention_until=started + timedelta(days=policy.retention_days) if policy.retention_days else None,
-                replay_of=st.id,
+                tool_calls=[ToolCallRow(call_id=tc["id"], name=tc["name"], arguments=tc.get("arguments"))
+                            for tc in out_body.get("tool_calls", []) if tc.get("id")],
+                tokens=tokens, prefix_len=prefix, redaction=dict(counts), eligibility=Eligibility.debug_only,
+                reason=f"replay of step {st.id}", retention=retention_until(started, policy),
             )
             with factory() as s, s.begin():
                 write_steps(s, [record], new_id)
@@ -236,10 +241,8 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
     return result
 
 
-def _redact(redactor, tenant: str, values: list[Any]) -> list[tuple[Any, dict[str, int]]]:
-    if hasattr(redactor, "redact_many"):
-        return redactor.redact_many([(tenant, v) for v in values])
-    return [redactor.redact_value(v, tenant) for v in values]
+def _redact(redactor: TextRedactor, tenant: str, values: list[Any]) -> list[tuple[Any, dict[str, int]]]:
+    return redactor.redact_many([(tenant, v) for v in values])
 
 
 # --- command line ----------------------------------------------------------------------------------
@@ -256,9 +259,9 @@ def register(sub) -> None:
 
 
 def cmd_replay(args) -> int:
-    from proxy import db
     from proxy.config import load_settings
-    from proxy.redaction import RedactionConfig, Redactor
+    from proxy.governance.redaction import RedactionConfig, Redactor
+    from proxy.store import db
 
     settings = load_settings()
     upstream = args.upstream or settings.upstream_urls[0]
@@ -266,7 +269,8 @@ def cmd_replay(args) -> int:
     try:
         result = replay_session(db.session_factory(engine), args.session, tenant=args.tenant, upstream=upstream,
                                 redactor=Redactor(RedactionConfig(salt=settings.secret)), secret=settings.secret,
-                                model_version=args.model_version, model=args.model)
+                                policies=Policies.from_settings(settings), model_version=args.model_version,
+                                model=args.model)
     except LookupError as e:
         print(f"atdp replay: {e}", file=sys.stderr)
         return 1
