@@ -8,6 +8,13 @@ torch is imported inside the command, so `atdp --help` stays instant.
 
 from __future__ import annotations
 
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.config import Settings
+    from trainer.loop import TrainConfig
+
 # Flags and the settings they override (`--min-steps` -> ATDP_TRAIN_MIN_STEPS, `--proxy-url` ->
 # ATDP_PROXY_URL). Types, defaults and help come from proxy.config.Settings: one place.
 FLAG_FIELDS: tuple[str, ...] = (
@@ -23,19 +30,15 @@ def _flag(field: str) -> str:
     return "--" + field.removeprefix("train_").replace("_", "-")
 
 
-def cmd_train(args) -> int:
-    import logging
-
-    from proxy.config import load_settings
+def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
+    """What `atdp train` runs with: its flags (defaults: the settings) and the tenant policies the
+    settings name (ATDP_POLICY_FILE, ATDP_PRODUCTION), checked again when steps are loaded."""
     from proxy.governance.policies import Policies
     from proxy.store.db import database_url
-    from trainer.loop import TrainConfig, run
+    from trainer.loop import TrainConfig
     from trainer.loss import PPOOptions
 
-    for name in ("httpx", "httpcore", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    settings = load_settings()
-    cfg = TrainConfig(
+    return TrainConfig(
         database_url=database_url(settings),
         proxy_url=args.proxy_url or f"http://{settings.host}:{settings.port}",
         admin_key=settings.admin_key,
@@ -64,6 +67,17 @@ def cmd_train(args) -> int:
         seed=args.seed,
         policies=Policies.from_settings(settings),
     )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import logging
+
+    from proxy.config import load_settings
+    from trainer.loop import run
+
+    for name in ("httpx", "httpcore", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    cfg = train_config(args, load_settings())
     results = run(cfg)
     if args.once and not results:
         return 3  # nothing to train on

@@ -24,7 +24,7 @@ from proxy.store import db
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ADMIN = {"authorization": "Bearer admin-test-key"}
 SESSIONS = 64
 MAX_TOKENS = 6

@@ -18,7 +18,7 @@ from proxy.tools.replay import replay_session
 from tests.proxy_fixtures import shared_redactor
 from tests.session_builders import agent_session, anthropic_session
 
-SQL_DIR = Path(__file__).resolve().parent.parent / "docs" / "sql"
+SQL_DIR = Path(__file__).resolve().parents[2] / "docs" / "sql"
 VIEWS = {"atdp_steps_readable", "atdp_feedback_readable", "atdp_session_outcomes", "atdp_tool_failures",
          "atdp_version_lineage", "atdp_redaction_counts", "atdp_replay_pairs"}
 

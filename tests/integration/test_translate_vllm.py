@@ -2,7 +2,7 @@
 vLLM's chat completions, the streamed chunks through MessagesStream / ResponsesStream, and the
 official SDKs must parse the result into the same message / response.
 
-Run with the vLLM plugin: `pytest -p tests.vllm_fixtures -m vllm tests/test_translate_vllm.py`.
+Run with the vLLM plugin: `pytest -p tests.vllm_fixtures -m vllm tests/integration/test_translate_vllm.py`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from proxy.translate.responses import responses_to_chat
 from proxy.translate.responses_stream import ResponsesStream, chat_to_response
 from proxy.translate.sse import SSEDecoder
 from tests import translate_chunks
-from tests.test_translate_anthropic import CLAUDE_CODE_REQUEST
-from tests.test_translate_responses import CODEX_REQUEST
+from tests.client_requests import CLAUDE_CODE_REQUEST, CODEX_REQUEST
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ import pytest
 
 from proxy.demo.vllm import VLLMServer, VLLMStartError, default_vllm_venv, find_vllm_python, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_default_venv_matches_the_bootstrap_script(monkeypatch):

@@ -19,9 +19,9 @@ from proxy.store import tables as t
 from proxy.translate.responses import responses_to_chat
 from proxy.translate.sse import SSEDecoder
 from tests.fake_vllm import render
-from tests.test_messages_door import document, prompt_ids
+from tests.session_builders import document, prompt_ids
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 SHELL = {"type": "function", "name": "shell_command", "description": "Runs a shell command",
          "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
 DOCS = {"type": "namespace", "name": "mcp__docs__", "description": "Docs MCP server",

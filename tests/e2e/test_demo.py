@@ -19,7 +19,7 @@ import pytest
 from proxy.demo.agent import BREVITY_WORDS, WRONG_NUMBER, Task, make_tasks, score
 from proxy.demo.home import MARKER, prepare_home
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- tasks and reward ----------------------------------------------------------------------------

@@ -14,12 +14,12 @@ import pytest
 from sqlalchemy import select
 
 from proxy.store import tables as t
-from proxy.store.read import session_document
 from proxy.translate.anthropic import messages_to_chat
 from proxy.translate.sse import SSEDecoder
 from tests.fake_vllm import render
+from tests.session_builders import document, prompt_ids
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 BASH = {"name": "Bash", "description": "Run a command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
 READ = {"name": "Read", "description": "Read a file", "cache_control": {"type": "ephemeral"},
@@ -40,16 +40,6 @@ def sdk(proxy, **kw) -> anthropic.Anthropic:
 def sse_events(data: bytes) -> list[tuple[str | None, Any]]:
     decoder = SSEDecoder()
     return [(e.event, e.json()) for e in decoder.feed(data) + decoder.flush()]
-
-
-def document(factory, step: t.Step):
-    with factory() as s:
-        return session_document(s, s.get(t.Session, step.session_id))
-
-
-def prompt_ids(factory, step: t.Step) -> list[int]:
-    """A step's full prompt ids (a later step stores only the suffix after its parent's tokens)."""
-    return next(st.tokens.prompt_token_ids for st in document(factory, step).steps if st.id == step.id)
 
 
 def fake_prompt_ids(body: dict[str, Any]) -> list[int]:

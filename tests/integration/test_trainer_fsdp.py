@@ -4,7 +4,7 @@ Toy task: for each prompt two sessions share a task id; the output full of token
 the one without X gets -1. A few decoupled-PPO steps must raise the probability of the rewarded
 outputs, lower the loss, and produce a checkpoint that reloads with transformers.
 
-This file is also the torchrun worker: `python tests/test_trainer_fsdp.py BASE OUT [--lora]`.
+This file is also the torchrun worker: `python tests/integration/test_trainer_fsdp.py BASE OUT [--lora]`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from trainer.model import LoraOptions, load_model, shard
 
 X = 42  # the rewarded token
 STEPS = 8
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def toy_samples(base_dir: Path) -> list[Sample]:

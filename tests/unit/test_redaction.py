@@ -16,7 +16,7 @@ from proxy.governance.redaction_pool import RedactionPool
 from proxy.governance.secrets import DEFAULT_ENTITIES, SECRET_ENTITIES, _merge, looks_secret
 from tests.pii_corpus import BENIGN, SEEDED, seeded_messages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
