@@ -20,6 +20,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from atdp_schema.models import StepStatus
 from proxy import telemetry
 from proxy.auth import Principal
 from proxy.errors import ApiError
@@ -28,6 +29,7 @@ from proxy.sessions import Continuation, SessionRef, StepLink, match_key, prefix
 from proxy.state import AppState
 from proxy.store.ids import new_id
 from proxy.translate import TranslationError
+from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import iter_sse
 from proxy.upstream import (
     Lease,
@@ -217,7 +219,7 @@ CAPTURE_FIELDS = {"return_token_ids": True, "logprobs": True}
 
 
 class Translator(Protocol):
-    def feed(self, chunk: dict[str, Any]) -> list[bytes]: ...
+    def feed_part(self, part: Chunk) -> list[bytes]: ...
     def finish(self) -> list[bytes]: ...
 
 
@@ -272,21 +274,20 @@ async def relay(call: Call, resp: UpstreamResponse, translator: Translator, fail
     `done` runs however the stream ends: completed ("ok"), upstream error ("error"), or the client
     leaving mid-stream ("aborted", the generator is closed at its pending `yield`).
     """
-    status, error = "aborted", {"type": "client_disconnected", "message": "the client went away mid-stream"}
+    status, error = StepStatus.aborted, {"type": "client_disconnected", "message": "the client went away mid-stream"}
     try:
         async for payload in iter_sse(resp.aiter_raw()):
             if payload == b"[DONE]":
                 continue
-            chunk = orjson.loads(payload)
-            if chunk.get("error") or chunk.get("object") == "error":  # vLLM's mid-stream failure
-                err = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
-                status, error = "error", {"type": "upstream_error", "message": str(err.get("message") or err)}
-                yield b"".join(translator.feed(chunk))  # the translator answers with its error event
+            part = read_chunk(orjson.loads(payload))  # read once: capture and translator share it
+            if part.error is not None:  # vLLM's mid-stream failure
+                status, error = StepStatus.error, {"type": "upstream_error", "message": part.error}
+                yield b"".join(translator.feed_part(part))  # the translator answers with its error event
                 break
-            call.capture.feed_chunk(chunk)
+            call.capture.feed(part)
             if call.ttft_s is None and call.capture.output_token_ids:
                 call.mark_token()
-            events = translator.feed(chunk)
+            events = translator.feed_part(part)
             if events:
                 yield b"".join(events)
         else:
@@ -319,7 +320,7 @@ class GuardedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             if not self._call.finished:
-                finish(self._call, status="aborted",
+                finish(self._call, status=StepStatus.aborted,
                        error={"type": "client_disconnected", "message": "the client went away before the stream"},
                        native_output=self._call.capture.assistant_message())
             await close_upstream(self._call, self._resp)

@@ -14,6 +14,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from atdp_schema.models import StepStatus
 from proxy import call as calls
 from proxy.call import Call
 from proxy.errors import ApiError, error_body
@@ -129,7 +130,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
 
 
 async def _stream(call: Call, resp: UpstreamResponse, shaper: ChatShaper) -> AsyncIterator[bytes]:
-    status, error = "aborted", {"type": "client_disconnected", "message": "the client went away mid-stream"}
+    status, error = StepStatus.aborted, {"type": "client_disconnected", "message": "the client went away mid-stream"}
     upstream_url = call.upstream_url
     capture = call.capture
     try:
@@ -152,7 +153,7 @@ async def _stream(call: Call, resp: UpstreamResponse, shaper: ChatShaper) -> Asy
                     out += b"data: " + orjson.dumps(shaped) + b"\n\n"
             if out:
                 yield bytes(out)
-        if status == "aborted":
+        if status == StepStatus.aborted:
             status, error = "ok", None
     except UpstreamError as e:
         status, error = "error", {"type": "upstream_error", "message": e.message}

@@ -1,6 +1,7 @@
 """Capture: what one model call did, assembled from vLLM's raw chat-completion output.
 
-`ChatCapture` reads vLLM's chunks (or its one JSON answer) as they pass through the proxy and keeps
+`ChatCapture` reads vLLM's chunks (or its one JSON answer; both through `proxy.translate.chunks`, the
+reader the translated streams share) as they pass through the proxy and keeps
 the prompt token ids, output token ids, their logprobs and token strings, the assistant text,
 reasoning and tool calls, the finish reason and usage. Nothing is ever re-tokenized here.
 `CapturedStep` is the raw record of the call; it lives only in memory until redaction.
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+from proxy.translate.chunks import Chunk, read_chunk, read_completion
 
 
 @dataclass
@@ -35,63 +38,46 @@ class ChatCapture:
     response_id: str | None = None
     model: str | None = None
 
-    def _choice(self, choice: dict[str, Any], delta: dict[str, Any] | None) -> None:
-        ids = choice.get("token_ids")
-        if ids:
-            self.output_token_ids.extend(ids)
-        lp = choice.get("logprobs")
-        if lp and lp.get("content"):
-            for item in lp["content"]:
-                self.output_logprobs.append(float(item.get("logprob", 0.0)))
-                self.output_tokens_text.append(item.get("token", ""))
-        if delta:
-            if c := delta.get("content"):
-                self.text.append(c)
-            if r := delta.get("reasoning_content") or delta.get("reasoning"):
-                self.reasoning.append(r)
-            for tc in delta.get("tool_calls") or ():
-                idx = tc.get("index", 0)
-                fn = tc.get("function") or {}
-                cur = self.tool_calls.get(idx)
-                if cur is None:
-                    cur = self.tool_calls[idx] = ToolCallOut(id=tc.get("id") or "", name=fn.get("name") or "")
-                else:
-                    cur.id = cur.id or tc.get("id") or ""
-                    cur.name = cur.name or fn.get("name") or ""
-                if fn.get("arguments"):
-                    cur.arguments += fn["arguments"]
-        if choice.get("finish_reason"):
-            self.finish_reason = choice["finish_reason"]
-            self.stop_reason = choice.get("stop_reason")
+    def feed(self, part: Chunk) -> None:
+        """What one chunk (`read_chunk`) or a whole completion (`read_completion`) adds."""
+        if self.response_id is None:
+            self.response_id, self.model = part.id, part.model
+        if part.prompt_token_ids:
+            self.prompt_token_ids = part.prompt_token_ids
+        if part.usage:
+            self.usage = part.usage
+        if not part.has_choice:
+            return
+        self.output_token_ids.extend(part.token_ids)
+        for item in part.logprobs:
+            self.output_logprobs.append(float(item.get("logprob", 0.0)))
+            self.output_tokens_text.append(item.get("token", ""))
+        if part.content:
+            self.text.append(part.content)
+        if part.reasoning:
+            self.reasoning.append(part.reasoning)
+        for tc in part.tool_calls:
+            idx = tc.get("index", 0)
+            fn = tc.get("function") or {}
+            cur = self.tool_calls.get(idx)
+            if cur is None:
+                cur = self.tool_calls[idx] = ToolCallOut(id=tc.get("id") or "", name=fn.get("name") or "")
+            else:
+                cur.id = cur.id or tc.get("id") or ""
+                cur.name = cur.name or fn.get("name") or ""
+            if fn.get("arguments"):
+                cur.arguments += fn["arguments"]
+        if part.finish_reason:
+            self.finish_reason, self.stop_reason = part.finish_reason, part.stop_reason
 
     def feed_chunk(self, chunk: dict[str, Any]) -> None:
         """One streamed `chat.completion.chunk` (only choice 0 is captured: n=1)."""
-        if self.response_id is None:
-            self.response_id = chunk.get("id")
-            self.model = chunk.get("model")
-        if chunk.get("prompt_token_ids"):
-            self.prompt_token_ids = list(chunk["prompt_token_ids"])
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) == 0:
-                self._choice(choice, choice.get("delta"))
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+        self.feed(read_chunk(chunk))
 
     def feed_response(self, resp: dict[str, Any]) -> None:
         """A non-streamed `chat.completion`."""
-        self.response_id = resp.get("id")
-        self.model = resp.get("model")
-        self.prompt_token_ids = list(resp.get("prompt_token_ids") or [])
-        for choice in resp.get("choices") or ():
-            if choice.get("index", 0) == 0:
-                msg = choice.get("message") or {}
-                delta = {
-                    "content": msg.get("content"),
-                    "reasoning_content": msg.get("reasoning_content") or msg.get("reasoning"),
-                    "tool_calls": [{**tc, "index": i} for i, tc in enumerate(msg.get("tool_calls") or [])],
-                }
-                self._choice(choice, delta)
-        self.usage = resp.get("usage")
+        self.response_id = None
+        self.feed(read_completion(resp))
 
     @property
     def output_text(self) -> str:

@@ -15,6 +15,7 @@ from pydantic_core import from_json
 
 from proxy.translate._chat import TextBuffer, dumps_arguments, first_choice, reasoning_text, usage_counts
 from proxy.translate.anthropic import RAW_ARGUMENTS_KEY, STOP_REASONS
+from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import encode_event
 
 
@@ -133,35 +134,34 @@ class MessagesStream:
         return [encode_event("message_start", {"type": "message_start", "message": message})]
 
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        return self.feed_part(read_chunk(chunk))
+
+    def feed_part(self, part: Chunk) -> list[bytes]:
+        """The events for one chunk, as `read_chunk` read it (the capture reads the same)."""
         if self.done:
             return []
         events: list[bytes] = []
         if not self.started:
-            prompt_ids = chunk.get("prompt_token_ids")
-            events += self.start(len(prompt_ids) if isinstance(prompt_ids, list) else None)
-        if chunk.get("object") == "error" or chunk.get("error"):
-            error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
-            return events + self.error("api_error", str(error.get("message") or "upstream error"))
-        prompt_tokens, completion_tokens, _ = usage_counts(chunk.get("usage"))
+            events += self.start(len(part.prompt_token_ids) if part.prompt_token_ids is not None else None)
+        if part.error is not None:
+            return events + self.error("api_error", part.error)
+        prompt_tokens, completion_tokens, _ = usage_counts(part.usage)
         if prompt_tokens is not None:
             self._input_tokens = prompt_tokens
         if completion_tokens is not None:
             self._output_tokens = completion_tokens
-        choice = first_choice(chunk)
-        if choice is None:
+        if not part.has_choice:
             return events
-        self._generated_ids += len(choice.get("token_ids") or ())
-        delta = choice.get("delta") or {}
-        reasoning = reasoning_text(delta)
-        if reasoning:
-            events += self._text_like("thinking", reasoning)
-        if delta.get("content"):
-            events += self._text_like("text", delta["content"])
-        for call in delta.get("tool_calls") or ():
+        self._generated_ids += len(part.token_ids)
+        if part.reasoning:
+            events += self._text_like("thinking", part.reasoning)
+        if part.content:
+            events += self._text_like("text", part.content)
+        for call in part.tool_calls:
             events += self._tool_delta(call)
-        if choice.get("finish_reason"):
-            self._finish_reason = choice["finish_reason"]
-            self._vllm_stop_reason = choice.get("stop_reason")
+        if part.finish_reason:
+            self._finish_reason = part.finish_reason
+            self._vllm_stop_reason = part.stop_reason
         return events
 
     def finish(self) -> list[bytes]:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from proxy.translate._chat import TextBuffer, first_choice, reasoning_text, usage_counts
+from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import encode_event
 
 
@@ -228,34 +229,33 @@ class ResponsesStream:
         ]
 
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        return self.feed_part(read_chunk(chunk))
+
+    def feed_part(self, part: Chunk) -> list[bytes]:
+        """The events for one chunk, as `read_chunk` read it (the capture reads the same)."""
         if self.done:
             return []
         events = self.start()
-        if chunk.get("object") == "error" or chunk.get("error"):
-            error = chunk.get("error") if isinstance(chunk.get("error"), dict) else chunk
-            return events + self.error(str(error.get("message") or "upstream error"))
-        prompt_ids = chunk.get("prompt_token_ids")
-        if self._input_tokens is None and isinstance(prompt_ids, list):
-            self._input_tokens = len(prompt_ids)  # until the usage chunk says it
-        prompt_tokens, completion_tokens, cached = usage_counts(chunk.get("usage"))
+        if part.error is not None:
+            return events + self.error(part.error)
+        if self._input_tokens is None and part.prompt_token_ids is not None:
+            self._input_tokens = len(part.prompt_token_ids)  # until the usage chunk says it
+        prompt_tokens, completion_tokens, cached = usage_counts(part.usage)
         if prompt_tokens is not None:
             self._input_tokens, self._cached_tokens = prompt_tokens, cached
         if completion_tokens is not None:
             self._output_tokens = completion_tokens
-        choice = first_choice(chunk)
-        if choice is None:
+        if not part.has_choice:
             return events
-        self._generated_ids += len(choice.get("token_ids") or ())
-        delta = choice.get("delta") or {}
-        reasoning = reasoning_text(delta)
-        if reasoning:
-            events += self._reasoning_delta(reasoning)
-        if delta.get("content"):
-            events += self._text_delta(delta["content"])
-        for call in delta.get("tool_calls") or ():
+        self._generated_ids += len(part.token_ids)
+        if part.reasoning:
+            events += self._reasoning_delta(part.reasoning)
+        if part.content:
+            events += self._text_delta(part.content)
+        for call in part.tool_calls:
             events += self._tool_delta(call)
-        if choice.get("finish_reason"):
-            self._finish_reason = choice["finish_reason"]
+        if part.finish_reason:
+            self._finish_reason = part.finish_reason
         return events
 
     def finish(self) -> list[bytes]:
