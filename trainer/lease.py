@@ -26,6 +26,7 @@ from datetime import timedelta
 from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from atdp_schema.models import Eligibility, TokenSource
 from proxy.governance.policies import Policies
 from proxy.store import tables as t
 from proxy.store.rewards import combine_rewards
@@ -41,8 +42,8 @@ def _trainable():
         t.Feedback.session_id == t.Step.session_id, t.Feedback.step_id.is_(None), t.Feedback.reward.is_not(None)
     )
     return and_(
-        t.Step.eligibility == "eligible",
-        t.Step.token_source.in_(("engine", "rederived")),
+        t.Step.eligibility == Eligibility.eligible,
+        t.Step.token_source.in_((TokenSource.engine, TokenSource.rederived)),
         func.cardinality(t.Step.output_token_ids) > 0,
         t.Step.trained_version_id.is_(None),
         t.Step.skipped_reason.is_(None),
@@ -176,7 +177,7 @@ def load(s: Session, ids: list[str], *, current: str, policies: Policies) -> Loa
                 behaviour_logprobs=[float(x) for x in st.output_logprobs] or [float("nan")] * n,
                 output_versions=versions,
                 output_mask=list(st.output_mask) if st.output_mask is not None else [1] * n,
-                prompt_exact=st.token_source == "engine",
+                prompt_exact=st.token_source == TokenSource.engine,
                 reward=combine_rewards(values, policy.reward_combine),
                 version_lag=version_lag(versions, ranks, current),
             )

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from atdp_schema.models import VersionStatus
 from proxy.governance.policies import Policies
 from trainer import dist
 from trainer.batch import Sample, build_samples, micro_batches, split_for_ranks, split_stale
@@ -342,7 +343,7 @@ def run(cfg: TrainConfig) -> list[UpdateResult]:
     ctl = Controller(cfg) if rank == 0 else None
     policy = Policy(cfg)
     results: list[UpdateResult] = []
-    status = "failed"
+    status = VersionStatus.failed
     try:
         dist.broadcast_object(ctl.start_run() if ctl else None)
         update = 0
@@ -362,7 +363,7 @@ def run(cfg: TrainConfig) -> list[UpdateResult]:
             result = ctl.publish(state, plan, stats, update, policy.checkpoint) if ctl else None
             result = dist.broadcast_object(result)
             results.append(result)
-            if result.status == "serving":
+            if result.status == VersionStatus.serving:
                 policy.version = result.version  # the weights in memory are the serving ones now
                 policy.checkpoint = Path(result.metrics["checkpoint"])
             else:

@@ -72,6 +72,7 @@ def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> int:
     import logging
 
+    from atdp_schema.models import VersionStatus
     from proxy.config import load_settings
     from trainer.loop import run
 
@@ -81,7 +82,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     results = run(cfg)
     if args.once and not results:
         return 3  # nothing to train on
-    return 0 if all(r.status == "serving" for r in results) else 1
+    return 0 if all(r.status == VersionStatus.serving for r in results) else 1
 
 
 def register(sub) -> None:

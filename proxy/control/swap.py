@@ -21,6 +21,7 @@ import httpx
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from atdp_schema.models import VersionStatus
 from proxy import telemetry
 from proxy.errors import ApiError
 from proxy.state import AppState
@@ -123,11 +124,11 @@ class Versions:
                         row = s.scalars(select(t.ModelVersion).where(t.ModelVersion.name == BASE_NAME)).first()
                         now = datetime.now(UTC)
                         if row is None:
-                            row = t.ModelVersion(id=new_id(), name=BASE_NAME, checkpoint=root, status="serving",
+                            row = t.ModelVersion(id=new_id(), name=BASE_NAME, checkpoint=root, status=VersionStatus.serving,
                                                  served_at=now, created_at=now, metrics={})
                             s.add(row)
                         else:
-                            row.status, row.served_at = "serving", now
+                            row.status, row.served_at = VersionStatus.serving, now
                         s.add(t.AuditEvent(actor="system", action="version.base", target=row.id,
                                            details={"checkpoint": row.checkpoint}))
                     return VersionRef(row.id, row.name, row.checkpoint)

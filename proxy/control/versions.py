@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 from starlette.requests import Request
 from starlette.responses import Response
 
+from atdp_schema.models import VersionStatus
 from proxy.control.swap import Versions
 from proxy.errors import ApiError
 from proxy.http import Endpoint, Route, json_response, read_json, run_db
@@ -86,14 +87,14 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
             if row is not None:
                 if row.checkpoint != checkpoint:
                     raise ApiError(409, f"version '{name}' exists with another checkpoint ({row.checkpoint})")
-                if row.status == "failed":
+                if row.status == VersionStatus.failed:
                     raise ApiError(409, f"version '{name}' failed to swap in; register the checkpoint under a new name")
                 return VersionRef(row.id, row.name, row.checkpoint)
             parent_row = find_version(s, parent) if parent else None
             if parent and parent_row is None:
                 raise ApiError(404, f"parent version '{parent}' not found")
             row = t.ModelVersion(
-                id=new_id(), name=name or next_name(s), checkpoint=checkpoint, status="candidate",
+                id=new_id(), name=name or next_name(s), checkpoint=checkpoint, status=VersionStatus.candidate,
                 parent_id=parent_row.id if parent_row else (versions.current.id if versions.current else None),
                 metrics={}, created_at=datetime.now(UTC),
             )
@@ -110,7 +111,7 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
             if versions.current is not None and versions.current.id == target.id:
                 return json_response(await run_db(state, lambda s: swap_result(s, target.id, {"ok": True, "seconds": 0.0})))
             outcome = await versions.swap(target)
-            await run_db(state, lambda s: record_swap(s, target, outcome, actor=principal.actor, left_status="retired",
+            await run_db(state, lambda s: record_swap(s, target, outcome, actor=principal.actor, left_status=VersionStatus.retired,
                                                 candidate=True))
             body = await run_db(state, lambda s: swap_result(s, target.id, outcome))
         return json_response(body, 200 if outcome["ok"] else 502)
@@ -128,11 +129,11 @@ def _rollback_route(state: AppState, versions: Versions) -> Endpoint:
             row = find_version(s, key)
             if row is None:
                 raise ApiError(404, f"version '{key}' not found")
-            if row.status != "serving":
+            if row.status != VersionStatus.serving:
                 raise ApiError(409, f"version '{row.name}' is {row.status}; only the serving version can be rolled back")
             prev = s.scalars(
                 select(t.ModelVersion)
-                .where(t.ModelVersion.id != row.id, t.ModelVersion.status == "retired",
+                .where(t.ModelVersion.id != row.id, t.ModelVersion.status == VersionStatus.retired,
                        t.ModelVersion.served_at.is_not(None))
                 .order_by(t.ModelVersion.served_at.desc()).limit(1)
             ).first()
@@ -143,7 +144,7 @@ def _rollback_route(state: AppState, versions: Versions) -> Endpoint:
         async with versions.lock:
             left_id, target = await run_db(state, plan)
             outcome = await versions.swap(target)
-            await run_db(state, lambda s: record_swap(s, target, outcome, actor=principal.actor, left_status="rolled_back",
+            await run_db(state, lambda s: record_swap(s, target, outcome, actor=principal.actor, left_status=VersionStatus.rolled_back,
                                                 candidate=False, left_id=left_id))
             body = await run_db(state, lambda s: swap_result(s, target.id, outcome, left_id=left_id))
         return json_response(body, 200 if outcome["ok"] else 502)

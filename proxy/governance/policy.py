@@ -20,13 +20,15 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from atdp_schema.models import Eligibility, StepStatus
 from proxy.governance.redaction import SECRET_ENTITIES, RedactionConfig
 from proxy.store.rewards import REWARD_COMBINE
 
-ELIGIBILITY_LEVELS: tuple[str, ...] = ("eligible", "debug_only", "audit_only", "quarantined", "deleted")
-ERROR_STATUSES = frozenset({"error", "aborted", "timeout", "upstream_error", "cancelled"})
+# From most to least usable; a stricter level wins when several rules apply.
+ELIGIBILITY_LEVELS: tuple[str, ...] = tuple(level.value for level in Eligibility)
+# A step's own statuses (StepStatus) plus the failure spellings older records and clients use.
+ERROR_STATUSES = frozenset({StepStatus.error, StepStatus.aborted, "timeout", "upstream_error", "cancelled"})
 
-Eligibility = Literal["eligible", "debug_only", "audit_only", "quarantined", "deleted"]
 
 
 class PolicyError(ValueError):
@@ -40,9 +42,9 @@ class TenantPolicy:
     reward_min: float = -1.0
     reward_max: float = 1.0
     reward_combine: Literal["last", "mean", "min", "max", "sum"] = "last"
-    secrets_eligibility: str = "quarantined"
-    pii_eligibility: str = "eligible"  # PII is redacted before storage; this is for stricter tenants
-    error_eligibility: str = "debug_only"
+    secrets_eligibility: str = Eligibility.quarantined
+    pii_eligibility: str = Eligibility.eligible  # PII is redacted before storage; this is for stricter tenants
+    error_eligibility: str = Eligibility.debug_only
     # Redaction settings of this tenant (the deployment supplies the salt and the NER model).
     redaction_entities: tuple[str, ...] | None = None
     redaction_style: Literal["placeholder", "hash"] = "placeholder"
@@ -163,10 +165,10 @@ def decide_eligibility(
 ) -> tuple[str, str]:
     """The eligibility of one captured step and why. The strictest applicable rule wins."""
     candidates: list[tuple[str, str]] = []
-    if status == "deleted":
-        return "deleted", "deleted"
+    if status == Eligibility.deleted:
+        return Eligibility.deleted, "deleted"
     if not policy.training_consent:
-        candidates.append(("audit_only", "no training consent"))
+        candidates.append((Eligibility.audit_only, "no training consent"))
     if status in ERROR_STATUSES:
         candidates.append((policy.error_eligibility, f"step status {status}"))
     secrets = sorted(e for e, n in redaction_counts.items() if n > 0 and e in SECRET_ENTITIES)
@@ -177,16 +179,14 @@ def decide_eligibility(
         candidates.append((policy.pii_eligibility, "pii redacted: " + ", ".join(pii)))
     if not tokens_available and status not in ERROR_STATUSES:
         # A failed call has nothing to train on anyway; it stays debuggable under the error rule.
-        candidates.append(("audit_only", "token ids not captured"))
+        candidates.append((Eligibility.audit_only, "token ids not captured"))
     if not candidates:
-        return "eligible", "ok"
+        return Eligibility.eligible, "ok"
     # Strictest first: deleted > quarantined > audit_only > debug_only > eligible.
-    rank = {
-        level: i for i, level in enumerate(("eligible", "debug_only", "audit_only", "quarantined", "deleted"))
-    }
+    rank = {level: i for i, level in enumerate(ELIGIBILITY_LEVELS)}
     worst = max(candidates, key=lambda c: rank[c[0]])
-    if worst[0] == "eligible":
-        return "eligible", "ok"
+    if worst[0] == Eligibility.eligible:
+        return Eligibility.eligible, "ok"
     return worst
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from atdp_schema.models import TokenSource
 from proxy.lru import LRU
 
 Found = tuple[tuple[str, str], ...]  # (raw value, its replacement) pairs; raw: memory only
@@ -138,7 +139,7 @@ class TokenDecision:
 
     @classmethod
     def dropped(cls, reason: str) -> TokenDecision:
-        return cls("dropped", [], [], [], [], None, reason)
+        return cls(TokenSource.dropped, [], [], [], [], None, reason)
 
 
 def token_policy(st: Any, *, prompt_dirty: bool, output_counts: dict[str, int], **_: Any) -> TokenDecision:
@@ -177,7 +178,7 @@ class TokenGuard:
         self._contents: LRU = LRU(max_contents)  # (tenant, content hash) -> Found
         self._steps: LRU = LRU(max_steps)  # step id -> Found of its whole context
         self._lock = threading.Lock()
-        self.stats = {"engine": 0, "rederived": 0, "dropped": 0}
+        self.stats = {s.value: 0 for s in (TokenSource.engine, TokenSource.rederived, TokenSource.dropped)}
 
     # --- memory --------------------------------------------------------------------------------------
 
@@ -245,7 +246,7 @@ class TokenGuard:
         logprobs = list(st.output_logprobs)
         versions = [version] * len(st.output_token_ids)
         if not p_spans and not o_spans:
-            return TokenDecision("engine", prompt, output, logprobs, versions, None)
+            return TokenDecision(TokenSource.engine, prompt, output, logprobs, versions, None)
         mask = [1] * len(st.output_token_ids) if o_spans else None
         # Splice masked placeholder tokens into the per-token arrays, right to left so offsets hold.
         for i, j, n in reversed(o_spans):
@@ -253,7 +254,7 @@ class TokenGuard:
             logprobs[i:j] = [0.0] * n
             versions[i:j] = [v] * n
             mask[i:j] = [0] * n
-        return TokenDecision("rederived", prompt, output, logprobs, versions, mask)
+        return TokenDecision(TokenSource.rederived, prompt, output, logprobs, versions, mask)
 
     def clean(self, ids: Sequence[int], values: Iterable[tuple[str, str]]) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Replace every occurrence of a raw value in the decoded ids by its placeholder's tokens.

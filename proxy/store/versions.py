@@ -12,12 +12,13 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from atdp_schema.models import VersionStatus
 from proxy.store import tables as t
 
 BASE_NAME = "base"
 
 
-EVER_SERVED = ("serving", "retired", "rolled_back")
+EVER_SERVED = (VersionStatus.serving, VersionStatus.retired, VersionStatus.rolled_back)
 
 
 @dataclass
@@ -29,7 +30,7 @@ class VersionRef:
 
 def serving_version(s: Session) -> t.ModelVersion | None:
     return s.scalars(
-        select(t.ModelVersion).where(t.ModelVersion.status == "serving")
+        select(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.serving)
         .order_by(t.ModelVersion.served_at.desc().nulls_last(), t.ModelVersion.created_at.desc()).limit(1)
     ).first()
 
@@ -53,7 +54,7 @@ def mark_failed(s: Session, version_id: str, error: str, *, actor: str = "system
     Returns how many steps were released for retraining.
     """
     s.execute(update(t.ModelVersion).where(t.ModelVersion.id == version_id)
-              .values(status="failed", error=error[:4000], retired_at=datetime.now(UTC)))
+              .values(status=VersionStatus.failed, error=error[:4000], retired_at=datetime.now(UTC)))
     released = s.execute(
         update(t.Step).where(t.Step.trained_version_id == version_id).values(trained_version_id=None)
     ).rowcount
@@ -79,10 +80,10 @@ def record_swap(s: Session, target: VersionRef, outcome: dict, *, actor: str, le
     Failure: a new candidate is `failed` (steps released); an existing version keeps its status."""
     now = datetime.now(UTC)
     if outcome["ok"]:
-        s.execute(update(t.ModelVersion).where(t.ModelVersion.status == "serving", t.ModelVersion.id != target.id)
+        s.execute(update(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.serving, t.ModelVersion.id != target.id)
                   .values(status=left_status, retired_at=now))
         s.execute(update(t.ModelVersion).where(t.ModelVersion.id == target.id)
-                  .values(status="serving", served_at=now, retired_at=None, error=None))
+                  .values(status=VersionStatus.serving, served_at=now, retired_at=None, error=None))
         s.add(t.AuditEvent(actor=actor, action="version.rollback" if left_id else "version.swap", target=target.id,
                            details={"name": target.name, "seconds": round(outcome["seconds"], 4),
                                     "replicas": outcome["replicas"], "left": left_id}))

@@ -16,6 +16,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from atdp_schema.models import Eligibility
 from proxy.store import tables as t
 
 log = logging.getLogger("atdp.store")
@@ -91,7 +92,7 @@ class StepRecord:
     completion_tokens: int = 0
     cost: float | None = None
     redaction: dict[str, int] = field(default_factory=dict)
-    eligibility: str = "eligible"
+    eligibility: str = Eligibility.eligible
     eligibility_reason: str = ""
     visibility: str = "tenant"
     retention_until: datetime | None = None

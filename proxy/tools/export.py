@@ -21,7 +21,7 @@ import orjson
 from sqlalchemy import exists, or_, select, tuple_
 from sqlalchemy.orm import Session
 
-from atdp_schema.models import ATDP_VERSION
+from atdp_schema.models import ATDP_VERSION, Eligibility, TokenSource
 from proxy.governance.policies import Policies
 from proxy.governance.policy import TenantPolicy
 from proxy.store import tables as t
@@ -30,7 +30,7 @@ from proxy.store.rewards import combine_rewards
 from proxy.store.tokens import rebuild_prompt_ids, unrle
 
 FORMATS = ("atdp-json", "jsonl", "parquet")
-TRAINABLE_SOURCES = ("engine", "rederived")
+TRAINABLE_SOURCES = (TokenSource.engine, TokenSource.rederived)
 
 
 @dataclass
@@ -57,7 +57,7 @@ def iter_sessions(s: Session, f: ExportFilter, batch_size: int = 100) -> Iterato
     if f.until is not None:
         conds.append(t.Session.started_at < f.until)
     if f.eligible:
-        conds.append(exists().where(t.Step.session_id == t.Session.id, t.Step.eligibility == "eligible",
+        conds.append(exists().where(t.Step.session_id == t.Session.id, t.Step.eligibility == Eligibility.eligible,
                                     t.Step.token_source.in_(TRAINABLE_SOURCES)))
     last: tuple[datetime, str] | None = None
     while True:
@@ -74,7 +74,7 @@ def iter_sessions(s: Session, f: ExportFilter, batch_size: int = 100) -> Iterato
 
 
 def _trainable(step_eligibility: str, token_source: str) -> bool:
-    return step_eligibility == "eligible" and token_source in TRAINABLE_SOURCES
+    return step_eligibility == Eligibility.eligible and token_source in TRAINABLE_SOURCES
 
 
 def session_samples(s: Session, session: t.Session, *, eligible_only: bool, policies: Policies,
