@@ -231,42 +231,8 @@ def test_errors_are_anthropic_shaped(start_proxy, fake_upstream, factory):
     assert step.status == "error" and len(step.output_token_ids) > 0
 
 
-def test_client_disconnect_mid_stream_is_an_aborted_step_in_anthropic_shape(start_proxy, fake_upstream, factory):
-    import time
-
-    fake_upstream.chunk_size = 1
-    fake_upstream.chunk_delay = 0.005  # a model still generating when the client leaves
-    proxy = start_proxy([fake_upstream.url])
-    answer = "long answer " * 30
-    with httpx.stream("POST", proxy.url + "/v1/messages", json={
-            "model": "fake", "max_tokens": 1000, "stream": True,
-            "messages": [{"role": "user", "content": "#say " + answer}]}) as r:
-        for i, _ in enumerate(r.iter_bytes()):
-            if i >= 3:
-                break
-    deadline, steps = time.monotonic() + 10, []
-    while time.monotonic() < deadline and not steps:
-        steps = proxy.steps(factory)
-        time.sleep(0.1)
-    (step,) = steps
-    assert step.status == "aborted" and 0 < len(step.output_token_ids) < len(answer)
-    assert proxy.state.pool.replicas[0].inflight == 0
-    output = document(factory, step).steps[0].action.output
-    assert output["type"] == "message" and output["content"][0]["type"] == "text"
 
 
-def test_upstream_down_is_anthropic_502(start_proxy, factory):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    proxy = start_proxy([dead])
-    with pytest.raises(anthropic.APIStatusError) as e:
-        sdk(proxy).messages.create(model="fake", max_tokens=5, messages=[{"role": "user", "content": "x"}])
-    assert e.value.status_code == 502 and e.value.body["error"]["type"] == "api_error"
-    (step,) = proxy.steps(factory)
-    assert step.status == "error" and step.error["type"] == "upstream_unavailable"
 
 
 def test_bearer_and_x_api_key_both_authenticate(start_proxy, fake_upstream, factory):

@@ -24,14 +24,15 @@ reward_max = 5.0
 """
 
 
-def _env(tmp_path) -> dict[str, str]:
+def _env(tmp_path, db_url: str) -> dict[str, str]:
     path = tmp_path / "policies.toml"
     path.write_text(POLICY_FILE)
-    return {"ATDP_PRODUCTION": "1", "ATDP_POLICY_FILE": str(path), "ATDP_HOME": str(tmp_path / "home")}
+    return {"ATDP_PRODUCTION": "1", "ATDP_POLICY_FILE": str(path), "ATDP_HOME": str(tmp_path / "home"),
+            "ATDP_DATABASE_URL": db_url}
 
 
-def test_the_proxy_serves_and_applies_the_policy_file(start_proxy, fake_upstream, tmp_path):
-    settings = read_settings(_env(tmp_path))
+def test_the_proxy_serves_and_applies_the_policy_file(start_proxy, fake_upstream, tmp_path, db_url):
+    settings = read_settings(_env(tmp_path, db_url))
     assert settings.production and settings.policy_file is not None
     proxy = start_proxy([fake_upstream.url], production=settings.production, policy_file=settings.policy_file)
 
@@ -49,7 +50,8 @@ def test_the_proxy_serves_and_applies_the_policy_file(start_proxy, fake_upstream
     assert r.status_code == 422 and "[-1.0, 1.0]" in r.text  # the default range: the tenant has no table
 
 
-def test_the_trainer_refuses_steps_of_a_tenant_without_consent(start_proxy, fake_upstream, factory, tmp_path):
+def test_the_trainer_refuses_steps_of_a_tenant_without_consent(start_proxy, fake_upstream, factory, tmp_path,
+                                                              db_url):
     # Recorded while consent was on (a local proxy, no policy file): eligible, rewarded steps.
     proxy = start_proxy([fake_upstream.url])
     c = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
@@ -62,7 +64,7 @@ def test_the_trainer_refuses_steps_of_a_tenant_without_consent(start_proxy, fake
     assert step.eligibility == "eligible"
 
     # The trainer runs in production with the policy file: this tenant has no table, so no consent.
-    settings = read_settings(_env(tmp_path))
+    settings = read_settings(_env(tmp_path, db_url))
     args = argparse.Namespace(once=True, **{f.removeprefix("train_"): getattr(settings, f) for f in FLAG_FIELDS})
     policies = train_config(args, settings).policies
     assert policies.base("acme").training_consent and not policies.base(proxy.tenant).training_consent

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -194,14 +193,6 @@ def _dead_port() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_upstream_down_is_502_and_a_failed_step(start_proxy, factory):
-    proxy = start_proxy([_dead_port()])
-    with pytest.raises(openai.APIStatusError) as e:
-        client(proxy).chat.completions.create(model="fake", messages=[{"role": "user", "content": "anyone?"}])
-    assert e.value.status_code == 502
-    (step,) = proxy.steps(factory)
-    assert step.status == "error" and step.error["type"] == "upstream_unavailable"
-    assert step.eligibility in ("debug_only", "audit_only")
 
 
 def test_failover_to_a_live_replica_and_stickiness(start_proxy, fake_upstream, factory):
@@ -238,24 +229,6 @@ def test_upstream_dies_mid_stream_is_error_step_with_tokens(start_proxy, fake_up
     assert len(step.output_token_ids) > 0  # what arrived before the break is kept
 
 
-def test_client_disconnect_mid_stream_is_aborted_step(start_proxy, fake_upstream, factory):
-    fake_upstream.chunk_size = 1
-    fake_upstream.chunk_delay = 0.005  # a model still generating when the client leaves
-    proxy = start_proxy([fake_upstream.url])
-    with httpx.stream("POST", proxy.v1 + "/chat/completions", json={
-            "model": "fake", "stream": True, "messages": [{"role": "user", "content": "#say " + "long answer " * 30}]}) as r:
-        for i, _ in enumerate(r.iter_bytes()):
-            if i >= 3:
-                break
-    deadline = time.monotonic() + 10
-    steps = []
-    while time.monotonic() < deadline and not steps:
-        steps = proxy.steps(factory)
-        time.sleep(0.1)
-    (step,) = steps
-    assert step.status == "aborted"
-    assert 0 < len(step.output_token_ids) < len(("[w0] " + "long answer " * 30).encode())
-    assert proxy.state.pool.replicas[0].inflight == 0
 
 
 def test_models_routes_and_head(start_proxy, fake_upstream):
