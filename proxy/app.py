@@ -25,7 +25,7 @@ from proxy.doors.response_store import ResponseStore
 from proxy.errors import ApiError, error_response, flavor_for_path
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import LazyRedactor, TextRedactor
-from proxy.http import Route, json_response
+from proxy.http import Endpoint, Route, json_response
 from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess, build_recorder
 from proxy.sessions import ContinuationIndex, StepLink
@@ -132,7 +132,7 @@ def _install_errors(app: FastAPI) -> None:
                               f"{message}: {request.method} {request.url.path}")
 
 
-def _healthz(state: AppState):
+def _healthz(state: AppState) -> Endpoint:
     async def healthz(request: Request) -> Response:
         r = state.recorder
         return json_response({
@@ -147,7 +147,7 @@ def _healthz(state: AppState):
     return healthz
 
 
-def _metrics(state: AppState):
+def _metrics(state: AppState) -> Endpoint:
     async def metrics(request: Request) -> Response:
         return Response(telemetry.render_metrics(state.recorder), media_type="text/plain; version=0.0.4")
 

@@ -1,4 +1,4 @@
-"""The `atdp` command line. Each subcommand imports what it needs, so `atdp --help` is instant."""
+"""The `atdp` command line: one explicit table of commands (torch, uvicorn and Presidio load inside them)."""
 
 from __future__ import annotations
 

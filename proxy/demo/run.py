@@ -146,7 +146,7 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
     from proxy.demo.vllm import VLLMServer, find_vllm_python, free_port
 
     board = board or Board()
-    home = demo_home(cfg.home)
+    home = demo_home(read_settings(), cfg.home)
     python = sys.executable
     vllm_python = cfg.vllm_python or find_vllm_python()
     if vllm_python is None:
