@@ -30,7 +30,7 @@ from atdp_schema.models import Eligibility, TokenSource
 from proxy.governance.policies import Policies
 from proxy.store import tables as t
 from proxy.store.rewards import combine_rewards
-from proxy.store.tokens import rebuild_prompt_ids, unrle
+from proxy.store.tokens import TRAINABLE_SOURCES, rebuild_prompt_ids, unrle
 from trainer.batch import StepTokens
 
 UNKNOWN_LAG = 1_000_000
@@ -43,7 +43,7 @@ def _trainable():
     )
     return and_(
         t.Step.eligibility == Eligibility.eligible,
-        t.Step.token_source.in_((TokenSource.engine, TokenSource.rederived)),
+        t.Step.token_source.in_(TRAINABLE_SOURCES),
         func.cardinality(t.Step.output_token_ids) > 0,
         t.Step.trained_version_id.is_(None),
         t.Step.skipped_reason.is_(None),

@@ -26,11 +26,9 @@ from proxy.lru import LRU
 from proxy.record.capture import CapturedStep
 from proxy.store import tables as t
 from proxy.store.content import canonical, content_hash
-from proxy.store.tokens import common_prefix, rle
+from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle
 from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
 
-# Sources whose ids are trainable (engine-exact, or re-derived from redacted text).
-KEPT_SOURCES = (TokenSource.engine, TokenSource.rederived)
 TokenPolicy = Callable[..., TokenDecision]
 
 
@@ -225,13 +223,13 @@ class Preparer:
         # Store the prompt as the suffix after the parent's prompt+output (history stored once).
         prefix_len = 0
         parent_seq = self.tokens.get(st.parent_step_id)
-        if tokens.source in KEPT_SOURCES and parent_seq is not None:
+        if tokens.source in TRAINABLE_SOURCES and parent_seq is not None:
             prefix_len = common_prefix(parent_seq, tokens.prompt_ids)
-        if tokens.source in KEPT_SOURCES:  # cached as stored, so prefixes rebuild exactly
+        if tokens.source in TRAINABLE_SOURCES:  # cached as stored, so prefixes rebuild exactly
             self.tokens.put(st.step_id, tokens.prompt_ids + tokens.output_ids)
 
         eligibility, reason = decide_eligibility(
-            policy, status=st.status, redaction_counts=report, tokens_available=tokens.source in KEPT_SOURCES
+            policy, status=st.status, redaction_counts=report, tokens_available=tokens.source in TRAINABLE_SOURCES
         )
         return step_record(
             st, session=SessionInfo(tenant_id=tenant, external_id=st.session.external_id, client=st.session.client,

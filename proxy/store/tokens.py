@@ -8,7 +8,11 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from atdp_schema.models import TokenSource
 from proxy.store import tables as t
+
+# The token sources whose ids are kept and trainable: engine-exact, or re-derived from redacted text.
+TRAINABLE_SOURCES: tuple[str, ...] = (TokenSource.engine, TokenSource.rederived)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

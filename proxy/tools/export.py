@@ -21,16 +21,15 @@ import orjson
 from sqlalchemy import exists, or_, select, tuple_
 from sqlalchemy.orm import Session
 
-from atdp_schema.models import ATDP_VERSION, Eligibility, TokenSource
+from atdp_schema.models import ATDP_VERSION, Eligibility
 from proxy.governance.policies import Policies
 from proxy.governance.policy import TenantPolicy
 from proxy.store import tables as t
 from proxy.store.read import session_document, version_model
 from proxy.store.rewards import combine_rewards
-from proxy.store.tokens import rebuild_prompt_ids, unrle
+from proxy.store.tokens import TRAINABLE_SOURCES, rebuild_prompt_ids, unrle
 
 FORMATS = ("atdp-json", "jsonl", "parquet")
-TRAINABLE_SOURCES = (TokenSource.engine, TokenSource.rederived)
 
 
 @dataclass
