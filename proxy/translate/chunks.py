@@ -7,27 +7,29 @@ fragment, token ids, usage or a mid-stream error is decided in one place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from proxy.translate._chat import first_choice, reasoning_text
 
 
-@dataclass(slots=True)
-class Chunk:
-    id: str | None = None
-    model: str | None = None
-    error: str | None = None  # vLLM's mid-stream failure (an error chunk); nothing else is read then
-    prompt_token_ids: list[int] | None = None
-    usage: dict[str, Any] | None = None
-    has_choice: bool = False  # choice 0 is present (the usage-only last chunk has none)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # {"token", "logprob", ...} per token
-    content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # fragments: index, id, function
-    finish_reason: str | None = None
-    stop_reason: Any = None
+class Chunk(NamedTuple):
+    """What one chunk carries (choice 0). Built once per chunk on the streaming hot path: a tuple, and
+    the chunk's own lists are referenced, not copied (callers only read them)."""
+
+    id: str | None
+    model: str | None
+    error: str | None  # vLLM's mid-stream failure (an error chunk); nothing else is read then
+    prompt_token_ids: list[int] | None
+    usage: dict[str, Any] | None
+    has_choice: bool  # choice 0 is present (the usage-only last chunk has none)
+    token_ids: Sequence[int]
+    logprobs: Sequence[dict[str, Any]]  # {"token", "logprob", ...} per token
+    content: str | None
+    reasoning: str | None
+    tool_calls: Sequence[dict[str, Any]]  # fragments: index, id, function
+    finish_reason: str | None
+    stop_reason: Any
 
 
 def error_message(chunk: dict[str, Any]) -> str | None:
@@ -40,37 +42,32 @@ def error_message(chunk: dict[str, Any]) -> str | None:
 
 def read_chunk(chunk: dict[str, Any]) -> Chunk:
     """One streamed `chat.completion.chunk` (choice 0 only: atdp records n=1)."""
-    out = Chunk(id=chunk.get("id"), model=chunk.get("model"), error=error_message(chunk))
-    if out.error is not None:
-        return out
+    error = error_message(chunk)
+    if error is not None:
+        return Chunk(chunk.get("id"), chunk.get("model"), error, None, None, False, (), (), None, None, (), None, None)
     ids = chunk.get("prompt_token_ids")
-    out.prompt_token_ids = list(ids) if isinstance(ids, list) else None
-    out.usage = chunk.get("usage") or None
-    choice = first_choice(chunk)
-    if choice is not None:
-        _read_choice(out, choice, choice.get("delta") or {})
-    return out
+    prompt_ids = ids if isinstance(ids, list) else None
+    return _with_choice(chunk, prompt_ids, chunk.get("usage") or None, "delta")
 
 
 def read_completion(completion: dict[str, Any]) -> Chunk:
     """A non-streamed `chat.completion`, read as one chunk carrying the whole answer."""
-    out = Chunk(id=completion.get("id"), model=completion.get("model"), error=None,
-                prompt_token_ids=list(completion.get("prompt_token_ids") or []), usage=completion.get("usage"))
-    choice = first_choice(completion)
-    if choice is not None:
-        msg = choice.get("message") or {}
-        delta = {**msg, "tool_calls": [{**tc, "index": i} for i, tc in enumerate(msg.get("tool_calls") or [])]}
-        _read_choice(out, choice, delta)
-    return out
+    return _with_choice(completion, list(completion.get("prompt_token_ids") or []), completion.get("usage"), "message")
 
 
-def _read_choice(out: Chunk, choice: dict[str, Any], delta: dict[str, Any]) -> None:
-    out.has_choice = True
-    out.token_ids = list(choice.get("token_ids") or ())
+def _with_choice(chunk: dict[str, Any], prompt_ids: list[int] | None, usage: dict[str, Any] | None,
+                 key: str) -> Chunk:
+    choice = first_choice(chunk)
+    if choice is None:
+        return Chunk(chunk.get("id"), chunk.get("model"), None, prompt_ids, usage, False, (), (), None, None, (),
+                     None, None)
+    delta = choice.get(key) or {}
+    calls = delta.get("tool_calls") or ()
+    if key == "message":  # a whole message's calls carry no index: their position is it
+        calls = [{**tc, "index": i} for i, tc in enumerate(calls)]
     lp = choice.get("logprobs")
-    out.logprobs = list(lp.get("content") or ()) if isinstance(lp, dict) else []
-    out.content = delta.get("content") or None
-    out.reasoning = reasoning_text(delta)
-    out.tool_calls = list(delta.get("tool_calls") or ())
-    out.finish_reason = choice.get("finish_reason") or None
-    out.stop_reason = choice.get("stop_reason")
+    return Chunk(
+        chunk.get("id"), chunk.get("model"), None, prompt_ids, usage, True, choice.get("token_ids") or (),
+        (lp.get("content") or ()) if isinstance(lp, dict) else (), delta.get("content") or None,
+        reasoning_text(delta), calls, choice.get("finish_reason") or None, choice.get("stop_reason"),
+    )
