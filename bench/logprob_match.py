@@ -37,13 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.vllm_launcher import VLLMServer, find_vllm_python  # noqa: E402
+from proxy.demo.model_zoo import cached_smollm2, cached_tiny_model  # noqa: E402
+from proxy.demo.vllm import VLLMServer, find_vllm_python  # noqa: E402
 from trainer import numerics  # noqa: E402
 from trainer.batch import StepTokens, build_samples, pack  # noqa: E402
 from trainer.checkpoint import gather_full_state_dict, write_checkpoint  # noqa: E402
 from trainer.loss import token_logprobs  # noqa: E402
 from trainer.model import load_model  # noqa: E402
-from trainer.model_zoo import cached_smollm2, cached_tiny_model  # noqa: E402
 
 QUESTIONS = ["what is 12 + 7?", "the quick brown fox", "hello there", "say a number", "write a poem",
              "tell me about the sea", "one two three", "how are you today?"]

@@ -225,7 +225,7 @@ def scratch_database() -> tuple[str, callable]:
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
 
-    from proxy.db import sqlalchemy_url
+    from proxy.store.db import sqlalchemy_url
 
     name = f"atdp_bench_{uuid.uuid4().hex[:8]}"
     admin = create_engine(sqlalchemy_url(base), isolation_level="AUTOCOMMIT")
@@ -243,7 +243,7 @@ def scratch_database() -> tuple[str, callable]:
 def steps_written(url: str, home: str) -> int | None:
     from sqlalchemy import create_engine, text
 
-    from proxy.db import embedded_url, sqlalchemy_url
+    from proxy.store.db import embedded_url, sqlalchemy_url
 
     engine = create_engine(sqlalchemy_url(url) if url else embedded_url(Path(home)))
     try:

@@ -28,7 +28,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy.redaction import RedactionConfig, RedactionPool, Redactor  # noqa: E402
+from proxy.governance.redaction import RedactionConfig, Redactor  # noqa: E402
+from proxy.governance.redaction_pool import RedactionPool
 from tests.pii_corpus import SEEDED  # noqa: E402
 
 WORDS = [

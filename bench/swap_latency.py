@@ -37,7 +37,7 @@ def scratch_database() -> tuple[str, callable]:
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
 
-    from proxy import db
+    from proxy.store import db
 
     if url := os.environ.get("ATDP_DATABASE_URL"):
         return url, lambda: None
@@ -67,9 +67,9 @@ def main() -> None:
 
     from proxy.app import create_app
     from proxy.config import Settings
-    from proxy.redaction import RedactionConfig, Redactor
-    from proxy.vllm_launcher import VLLMServer, find_vllm_python, free_port
-    from trainer.model_zoo import cached_tiny_model
+    from proxy.demo.model_zoo import cached_tiny_model
+    from proxy.demo.vllm import VLLMServer, find_vllm_python, free_port
+    from proxy.governance.redaction import RedactionConfig, Redactor
 
     p = argparse.ArgumentParser()
     p.add_argument("--swaps", type=int, default=10)
@@ -89,7 +89,7 @@ def main() -> None:
             server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
             threading.Thread(target=server.run, daemon=True).start()
             proxy = f"http://127.0.0.1:{settings.port}"
-            if not app.state.atdp.extra["versions"].ready.wait(120):
+            if not app.state.versions.ready.wait(120):
                 raise SystemExit("the proxy did not load its versions")
             headers = {"authorization": f"Bearer {ADMIN}"}
             client = httpx.Client(timeout=300, trust_env=False)
@@ -111,7 +111,7 @@ def main() -> None:
                 app.state.atdp.recorder.flush(30)
                 from sqlalchemy import select
 
-                from proxy import tables as t
+                from proxy.store import tables as t
 
                 with app.state.atdp.factory() as s:
                     step = s.scalars(select(t.Step).order_by(t.Step.started_at.desc()).limit(1)).one()

@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from proxy.tables import Base
+from proxy.store.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from proxy import tables as t
-from proxy.ids import new_id
-from proxy.store import ensure_tenant
+from proxy.store import tables as t
+from proxy.store.ids import new_id
+from proxy.store.write import ensure_tenant
 
 KEY_PREFIX = "atdp-"
 
@@ -45,12 +45,20 @@ def create_key(s: Session, tenant: str, *, admin: bool = False, name: str | None
 
 
 def lookup_key(s: Session, key: str) -> Principal | None:
+    return lookup_key_hash(s, hash_key(key))
+
+
+def lookup_key_hash(s: Session, key_hash: str) -> Principal | None:
     row = s.execute(
-        select(t.ApiKey).where(t.ApiKey.key_hash == hash_key(key), t.ApiKey.revoked_at.is_(None))
+        select(t.ApiKey).where(t.ApiKey.key_hash == key_hash, t.ApiKey.revoked_at.is_(None))
     ).scalar_one_or_none()
-    if row is None:
-        return None
-    return Principal(tenant=row.tenant_id, key_id=row.id, is_admin=row.is_admin)
+    return None if row is None else Principal(tenant=row.tenant_id, key_id=row.id, is_admin=row.is_admin)
+
+
+def active_keys(s: Session) -> list[tuple[str, Principal]]:
+    """Every unrevoked key as (sha256 of the key, principal): the proxy's in-memory key cache."""
+    rows = s.execute(select(t.ApiKey).where(t.ApiKey.revoked_at.is_(None))).scalars().all()
+    return [(r.key_hash, Principal(tenant=r.tenant_id, key_id=r.id, is_admin=r.is_admin)) for r in rows]
 
 
 def key_from_headers(headers) -> str | None:

@@ -1,10 +1,14 @@
-"""The `atdp` command line. Each subcommand imports what it needs, so `atdp --help` is instant."""
+"""The `atdp` command line: one explicit table of commands (torch, uvicorn and Presidio load inside them)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+
+from proxy.demo import run as demo
+from proxy.tools import export, governance, replay, serve
+from trainer import main as train
 
 
 def _settings():
@@ -14,13 +18,13 @@ def _settings():
 
 
 def _url(settings) -> str:
-    from proxy.db import database_url
+    from proxy.store.db import database_url
 
     return database_url(settings)
 
 
 def cmd_db(args) -> int:
-    from proxy import db
+    from proxy.store import db
 
     url = _url(_settings())
     if args.action == "upgrade":
@@ -38,8 +42,8 @@ def cmd_db(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from proxy import db
     from proxy.auth import create_key
+    from proxy.store import db
 
     url = _url(_settings())
     db.upgrade(url)
@@ -73,22 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--name")
     kc.set_defaults(func=cmd_keys)
 
-    _register_more(sub)
+    # Every command, explicitly imported above: a module that fails to import fails the CLI loudly.
+    # Heavy dependencies (torch, uvicorn, the demo's processes) are imported inside each command.
+    for register in (serve.register, export.register, replay.register, governance.register, train.register,
+                     demo.register):
+        register(sub)
     return p
-
-
-def _register_more(sub) -> None:
-    """Subcommands that live in their own modules register here."""
-    import importlib
-
-    for name in ("proxy.serve", "proxy.export", "proxy.replay", "proxy.governance_cli", "trainer.main", "proxy.demo"):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        mod.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,53 +1,84 @@
-"""Settings from the environment (and an optional TOML file that mirrors it).
+"""One settings model for every process (`atdp serve`, `atdp train`, the demo, the CLI).
 
-Every setting is an `ATDP_*` variable; `ATDP_CONFIG` may name a TOML file whose keys are the
-variable names without the prefix, lower-case (`upstream_url = "..."`). The environment wins.
+Every setting is an `ATDP_*` environment variable; `ATDP_CONFIG` may name a TOML file whose keys are
+the variable names without the prefix, lower-case (`upstream_url = "..."`). The environment wins.
+pydantic-settings does the reading and the type checks; `load_settings` adds the deployment secret.
+Each process loads the settings once at its entry point and passes them down.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+from pydantic_settings.sources.utils import parse_env_vars
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
+# The environment `load_settings` reads: os.environ, or the mapping a caller passes (compose tests,
+# the demo's children). Set only while one Settings is being built.
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("atdp_environ", default=None)
+
+
+def _environ() -> Mapping[str, str]:
+    given = _ENVIRON.get()
+    return os.environ if given is None else given
+
 
 def default_home() -> Path:
-    return Path(os.environ.get("ATDP_HOME") or Path.home() / ".local" / "share" / "atdp")
+    return Path(_environ().get("ATDP_HOME") or Path.home() / ".local" / "share" / "atdp")
 
 
-def _toml_values() -> dict[str, str]:
-    path = os.environ.get("ATDP_CONFIG")
-    if not path:
-        return {}
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    return {f"ATDP_{k.upper()}": str(v) for k, v in data.items() if not isinstance(v, dict)}
+def _env(name: str, field: str) -> AliasChoices:
+    """A field read from `ATDP_<NAME>` (and `<name>` in the TOML file) rather than from its own name."""
+    return AliasChoices(field, f"ATDP_{name.upper()}", name)
 
 
-def _bool(value: str | None, default: bool = False) -> bool:
-    if value is None or value == "":
-        return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+class _Environment(EnvSettingsSource):
+    """The environment of `load_settings` (os.environ unless a mapping was given)."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(_environ(), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
 
 
-@dataclass
-class Settings:
-    home: Path = field(default_factory=default_home)
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ATDP_", env_ignore_empty=True, extra="ignore",
+                                      populate_by_name=True)
+
+    # --- where things are -------------------------------------------------------------------------
+    home: Path = Field(default_factory=default_home)
     database_url: str | None = None  # None: embedded PostgreSQL under home/pg
-    upstream_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    upstream_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"], validation_alias=_env("upstream_url", "upstream_urls"))
     admin_key: str | None = None
     upstream_api_key: str | None = None  # when vLLM runs with --api-key
     host: str = "127.0.0.1"
     port: int = 8700
+    # --- tenancy and governance ----------------------------------------------------------------------
     # Open mode: no API key needed, every call belongs to `default_tenant`. Only on loopback.
     open_mode: bool = False
     default_tenant: str = "default"
     production: bool = False  # production mode: new tenants start without training consent
     policy_file: Path | None = None
+    secret: bytes = b""  # empty: `load_settings` reads (or creates) home/secret
+    # The served model's tokenizer (model folder or tokenizer.json): lets the proxy keep token ids of
+    # steps that touched redacted text, cleaned; without it those ids are dropped.
+    tokenizer: str | None = None
+    retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
+    # --- the proxy ----------------------------------------------------------------------------------
     max_body_bytes: int = 32 * 1024 * 1024
     queue_size: int = 10_000
     batch_size: int = 256
@@ -58,14 +89,81 @@ class Settings:
     swap_load_timeout_s: float = 600.0  # how long vLLM may take to reload weights
     session_ttl_s: float = 24 * 3600.0
     otel_exporter: str = "none"  # none | console | otlp
-    secret: bytes = b""
     redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use
-    writer_mode: str = "process"  # process: redaction + writes in a child process; thread: in-process
-    # The served model's tokenizer (model folder or tokenizer.json): lets the proxy keep token ids of
-    # steps that touched redacted text, cleaned; without it those ids are dropped.
-    tokenizer: str | None = None
-    retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
+    # process: redaction + writes in a child process; thread: in-process
+    writer_mode: str = Field(default="process", validation_alias=_env("writer", "writer_mode"))
     response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations are kept (sealed)
+    # --- the trainer (`atdp train`; its flags override these) ----------------------------------------
+    proxy_url: str | None = Field(None, description="the proxy (default http://ATDP_HOST:ATDP_PORT)")
+    train_min_steps: int = Field(32, description="train once this many rewarded steps wait")
+    train_interval_s: float = Field(300.0, description="...or after this long, if at least one waits")
+    train_max_steps: int = Field(512, description="steps per update (lease size)")
+    train_max_version_lag: int = Field(4, description="skip steps more versions old than this")
+    train_lease_ttl_s: float = Field(1800.0, description="a crashed trainer's lease expires after this")
+    train_lr: float = Field(1e-5, description="AdamW learning rate")
+    train_weight_decay: float = Field(0.0, description="AdamW weight decay")
+    train_ppo_epochs: int = Field(1, description="optimizer steps per batch")
+    train_mode: str = Field("auto", description="per_step | concat | auto")
+    train_turn_discount: float = Field(1.0, description="earlier turns get reward * discount**k")
+    train_max_len: int = Field(4096, description="tokens per sample (cut on the right)")
+    train_micro_batch_tokens: int = Field(8192, description="padded tokens per micro-batch")
+    train_clip_low: float = Field(0.2, description="PPO clip epsilon below 1")
+    train_clip_high: float = Field(0.28, description="PPO clip epsilon above 1")
+    train_ratio_mask_low: float = Field(0.5, description="drop tokens with p_train/p_engine below")
+    train_ratio_mask_high: float = Field(2.0, description="...or above this")
+    train_max_grad_norm: float = Field(1.0, description="gradient clipping")
+    train_kl_mask: float = Field(0.0, description="drop tokens with Bernoulli KL(train, engine) above (0: off)")
+    train_kl_coef: float = Field(0.0, description="KL penalty coefficient, k3 estimator (0: off)")
+    train_kl_ref: str = Field("behaviour", description="KL reference: behaviour | base | a checkpoint path")
+    train_temperature: float = Field(1.0, description="logprob temperature (1: the engine's raw logprobs)")
+    train_weighting: str = Field("token", description="loss weight: token | session (each session once)")
+    train_optimizer_state: str = Field(
+        "fresh", description="keep: AdamW state carries over between updates and --once runs; fresh: each starts anew")
+    train_normalize_std: int = Field(1, description="1: divide advantages by the group's reward std")
+    train_dtype: str = Field("fp32", description="master weights: fp32 | bf16")
+    train_compute_dtype: str = Field("", description="bf16: bf16 compute under FSDP2 (default: as stored)")
+    train_save_dtype: str = Field("fp32", description="checkpoint dtype (the engine casts to its own)")
+    train_engine_numerics: str = Field(
+        "auto", description="auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-trunc (trainer/numerics.py)")
+    train_lora_r: int = Field(0, description="LoRA rank (0: full fine-tuning)")
+    train_seed: int = Field(0, description="torch seed")
+    train_max_updates: int = Field(0, description="stop after this many updates (0: never)")
+    # --- the demo and the tests' vLLM ----------------------------------------------------------------
+    vllm_venv: Path | None = None  # the vLLM environment (default: the one scripts/vllm_env.sh builds)
+    vllm_python: str | None = None  # that environment's python, given directly
+
+    @field_validator("upstream_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list):
+            return [str(u).strip().rstrip("/") for u in value if str(u).strip()]
+        return value
+
+    @field_validator("otel_exporter", "writer_mode")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, _Environment(settings_cls)]
+        if path := _environ().get("ATDP_CONFIG"):
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
+        return tuple(sources)
+
+    @property
+    def home_given(self) -> bool:
+        """Whether ATDP_HOME (or the TOML file, or the caller) named the home."""
+        return "home" in self.model_fields_set
 
     @property
     def spool_dir(self) -> Path:
@@ -76,10 +174,8 @@ class Settings:
         return self.home / "checkpoints"
 
 
-def _load_secret(home: Path, env_value: str | None) -> bytes:
+def _load_secret(home: Path) -> bytes:
     """The deployment secret keys content hashes and hash-style redaction; created once per home."""
-    if env_value:
-        return env_value.encode()
     path = home / "secret"
     if path.exists():
         return path.read_bytes().strip()
@@ -93,37 +189,21 @@ def _load_secret(home: Path, env_value: str | None) -> bytes:
     return value
 
 
-def load_settings(env: dict[str, str] | None = None) -> Settings:
-    values = _toml_values()
-    values.update(os.environ if env is None else env)
-    get = values.get
-    home = Path(get("ATDP_HOME") or default_home())
-    s = Settings(home=home)
-    s.database_url = get("ATDP_DATABASE_URL") or None
-    if get("ATDP_UPSTREAM_URL"):
-        s.upstream_urls = [u.strip().rstrip("/") for u in get("ATDP_UPSTREAM_URL", "").split(",") if u.strip()]
-    s.admin_key = get("ATDP_ADMIN_KEY") or None
-    s.upstream_api_key = get("ATDP_UPSTREAM_API_KEY") or None
-    s.host = get("ATDP_HOST") or s.host
-    s.port = int(get("ATDP_PORT") or s.port)
-    s.open_mode = _bool(get("ATDP_OPEN_MODE"))
-    s.default_tenant = get("ATDP_DEFAULT_TENANT") or s.default_tenant
-    s.production = _bool(get("ATDP_PRODUCTION"))
-    s.policy_file = Path(get("ATDP_POLICY_FILE")) if get("ATDP_POLICY_FILE") else None
-    s.max_body_bytes = int(get("ATDP_MAX_BODY_BYTES") or s.max_body_bytes)
-    s.queue_size = int(get("ATDP_QUEUE_SIZE") or s.queue_size)
-    s.upstream_timeout_s = float(get("ATDP_UPSTREAM_TIMEOUT_S") or s.upstream_timeout_s)
-    s.swap_hold_timeout_s = float(get("ATDP_SWAP_HOLD_TIMEOUT_S") or s.swap_hold_timeout_s)
-    s.swap_drain_timeout_s = float(get("ATDP_SWAP_DRAIN_TIMEOUT_S") or s.swap_drain_timeout_s)
-    s.swap_load_timeout_s = float(get("ATDP_SWAP_LOAD_TIMEOUT_S") or s.swap_load_timeout_s)
-    s.otel_exporter = (get("ATDP_OTEL_EXPORTER") or s.otel_exporter).lower()
-    s.redaction_workers = int(get("ATDP_REDACTION_WORKERS") or 0)
-    s.writer_mode = (get("ATDP_WRITER") or s.writer_mode).lower()
-    s.tokenizer = get("ATDP_TOKENIZER") or None
-    s.retention_interval_s = float(get("ATDP_RETENTION_INTERVAL_S") or s.retention_interval_s)
-    s.response_ttl_s = float(get("ATDP_RESPONSE_TTL_S") or s.response_ttl_s)
-    s.secret = _load_secret(home, get("ATDP_SECRET"))
-    return s
+def read_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """The settings from `env` (default: os.environ) and the TOML file, without touching the home."""
+    token = _ENVIRON.set(env)
+    try:
+        return Settings()
+    finally:
+        _ENVIRON.reset(token)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """`read_settings`, plus the deployment secret (ATDP_SECRET, else home/secret, created once)."""
+    settings = read_settings(env)
+    if not settings.secret:
+        settings.secret = _load_secret(settings.home)
+    return settings
 
 
 def check_listen_address(settings: Settings) -> None:

@@ -18,17 +18,9 @@ from typing import Any
 
 import orjson
 
-from proxy.content import chain_hash
-from proxy.ids import new_id
-
-
-@dataclass
-class SessionRef:
-    tenant: str
-    external_id: str
-    source: str  # header | path | claude-code | codex | anthropic-metadata | continuation | new
-    client: str | None = None
-    task_id: str | None = None
+from proxy.record.capture import SessionRef
+from proxy.store.content import chain_hash
+from proxy.store.ids import new_id
 
 
 @dataclass(frozen=True)

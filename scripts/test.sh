@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up what the tests need (both environments, the tiny model is built by the
-# fixtures), checks style, and runs the suite against a real PostgreSQL and a real vLLM.
+# fixtures), checks style and the import rules (import-linter contracts in pyproject.toml), and runs
+# the suite against a real PostgreSQL and a real vLLM.
 #
 #   scripts/test.sh                  # everything
 #   scripts/test.sh -k chat -x       # pytest arguments pass through
@@ -14,5 +15,6 @@ python=$(scripts/bootstrap.sh)
 ATDP_VLLM_PYTHON=$(scripts/vllm_env.sh)
 export ATDP_VLLM_PYTHON
 "$(dirname "$python")/ruff" check .
+"$(dirname "$python")/lint-imports" --no-cache
 "$python" -m atdp_schema.generate --check
 exec "$python" -m pytest "$@"

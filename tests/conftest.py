@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from proxy import db
+from proxy.store import db
 
 pytest_plugins = ["tests.vllm_fixtures", "tests.proxy_fixtures"]
 

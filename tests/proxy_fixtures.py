@@ -9,12 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import select
 
-from proxy import tables as t
-from proxy.app import AppState, create_app
+from proxy.app import create_app
 from proxy.config import Settings
-from proxy.redaction import RedactionConfig, Redactor
+from proxy.control.swap import Versions
+from proxy.doors.response_store import ResponseStore
+from proxy.governance.redaction import RedactionConfig, Redactor
+from proxy.state import AppState
+from proxy.store import tables as t
 from tests.fake_vllm import FakeVLLM, ServerThread
 
 
@@ -24,6 +28,13 @@ class RunningProxy:
     state: AppState
     server: ServerThread
     tenant: str
+    versions: Versions
+    response_store: ResponseStore
+
+    @classmethod
+    def of(cls, app: FastAPI, server: ServerThread, tenant: str) -> RunningProxy:
+        return cls(url=server.url, state=app.state.atdp, server=server, tenant=tenant, versions=app.state.versions,
+                   response_store=app.state.response_store)
 
     @property
     def v1(self) -> str:
@@ -79,7 +90,7 @@ def start_proxy(db_url, tmp_path) -> Callable[..., RunningProxy]:
         state = app.state.atdp
         if wait_db:
             wait_for_db(state)
-        rp = RunningProxy(url=server.url, state=state, server=server, tenant=tenant)
+        rp = RunningProxy.of(app, server, tenant)
         running.append(rp)
         return rp
 

@@ -6,6 +6,9 @@ import uuid
 
 import openai
 
+from proxy.store import tables as t
+from proxy.store.read import session_document
+
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "read a file",
                                             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
          {"type": "function", "function": {"name": "run_tests", "description": "run the tests",
@@ -67,3 +70,13 @@ def anthropic_session(proxy, *, session_id: str | None = None, result: str = "1 
     c.messages.create(model=model, max_tokens=256, system="You are a careful agent.", tools=ANTHROPIC_TOOLS,
                       messages=messages)
     return sid
+
+
+def document(factory, step: t.Step):
+    with factory() as s:
+        return session_document(s, s.get(t.Session, step.session_id))
+
+
+def prompt_ids(factory, step: t.Step) -> list[int]:
+    """A step's full prompt ids (a later step stores only the suffix after its parent's tokens)."""
+    return next(st.tokens.prompt_token_ids for st in document(factory, step).steps if st.id == step.id)

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.vllm_launcher import VLLMServer, find_vllm_python
-from trainer.model_zoo import cached_tiny_model
+from proxy.demo.model_zoo import cached_tiny_model
+from proxy.demo.vllm import VLLMServer, find_vllm_python
 
 SERVED_NAME = "tiny"
 

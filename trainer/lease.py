@@ -26,11 +26,11 @@ from datetime import timedelta
 from sqlalchemy import and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from proxy import tables as t
-from proxy.governance import combine_rewards
-from proxy.records import rebuild_prompt_ids
-from proxy.store import unrle
-from proxy.tenants import policy_for
+from atdp_schema.models import Eligibility, TokenSource
+from proxy.governance.policies import Policies
+from proxy.store import tables as t
+from proxy.store.rewards import combine_rewards
+from proxy.store.tokens import TRAINABLE_SOURCES, rebuild_prompt_ids, unrle
 from trainer.batch import StepTokens
 
 UNKNOWN_LAG = 1_000_000
@@ -42,8 +42,8 @@ def _trainable():
         t.Feedback.session_id == t.Step.session_id, t.Feedback.step_id.is_(None), t.Feedback.reward.is_not(None)
     )
     return and_(
-        t.Step.eligibility == "eligible",
-        t.Step.token_source.in_(("engine", "rederived")),
+        t.Step.eligibility == Eligibility.eligible,
+        t.Step.token_source.in_(TRAINABLE_SOURCES),
         func.cardinality(t.Step.output_token_ids) > 0,
         t.Step.trained_version_id.is_(None),
         t.Step.skipped_reason.is_(None),
@@ -124,8 +124,9 @@ class Loaded:
     skipped: dict[str, str]  # step id -> reason (not trainable after all: no consent, lost prefix)
 
 
-def load(s: Session, ids: list[str], *, current: str) -> Loaded:
-    """The leased steps as StepTokens (full prompt ids, rewards, version lags)."""
+def load(s: Session, ids: list[str], *, current: str, policies: Policies) -> Loaded:
+    """The leased steps as StepTokens (full prompt ids, rewards, version lags); consent is checked
+    again here, under `policies` (the database row over ATDP_POLICY_FILE over the defaults)."""
     rows = {st.id: st for st in s.scalars(select(t.Step).where(t.Step.id.in_(ids)))}
     sessions = {x.id: x for x in s.scalars(select(t.Session).where(t.Session.id.in_({r.session_id for r in rows.values()})))}
     feedback = s.execute(
@@ -138,7 +139,7 @@ def load(s: Session, ids: list[str], *, current: str) -> Loaded:
     for session_id, step_id, reward in feedback:
         (step_rewards[step_id] if step_id else session_rewards[session_id]).append(reward)
 
-    policies = {tenant: policy_for(s, tenant) for tenant in {r.tenant_id for r in rows.values()}}
+    by_tenant = {tenant: policies.policy_for(s, tenant) for tenant in {r.tenant_id for r in rows.values()}}
     ranks = version_ranks(s)
     skipped: dict[str, str] = {}
     prompts: dict[str, list[int]] = {}
@@ -150,7 +151,7 @@ def load(s: Session, ids: list[str], *, current: str) -> Loaded:
 
     steps: list[StepTokens] = []
     for step_id, st in rows.items():
-        policy = policies[st.tenant_id]
+        policy = by_tenant[st.tenant_id]
         if step_id in skipped:
             continue
         if not policy.training_consent:
@@ -176,7 +177,7 @@ def load(s: Session, ids: list[str], *, current: str) -> Loaded:
                 behaviour_logprobs=[float(x) for x in st.output_logprobs] or [float("nan")] * n,
                 output_versions=versions,
                 output_mask=list(st.output_mask) if st.output_mask is not None else [1] * n,
-                prompt_exact=st.token_source == "engine",
+                prompt_exact=st.token_source == TokenSource.engine,
                 reward=combine_rewards(values, policy.reward_combine),
                 version_lag=version_lag(versions, ranks, current),
                 tenant_id=st.tenant_id,

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from atdp_schema.models import VersionStatus
+from proxy.governance.policies import Policies
 from trainer import dist, numerics
 from trainer.batch import Sample, build_samples, micro_batches, session_weights, split_for_ranks, split_stale
 from trainer.checkpoint import load_optimizer_state, save_optimizer_state, trainer_state_path
@@ -86,6 +88,9 @@ class TrainConfig:
     seed: int = 0
     swap_timeout_s: float = 900.0
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    # Consent is checked again when steps are loaded: the database row over ATDP_POLICY_FILE over the
+    # defaults (ATDP_PRODUCTION: no consent unless given). `atdp train` builds it from the settings.
+    policies: Policies = field(default_factory=Policies)
 
 
 @dataclass
@@ -118,7 +123,7 @@ class Controller:
     """Rank 0's side: the database, the proxy, the display."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from proxy import db
+        from proxy.store import db
 
         self.cfg = cfg
         self.engine = db.make_engine(cfg.database_url)
@@ -129,11 +134,11 @@ class Controller:
         self.display = Display(enabled=sys.stdout.isatty())
 
     def start_run(self) -> str:
-        from proxy import tables as t
-        from proxy.ids import new_id
+        from proxy.store import tables as t
+        from proxy.store.ids import new_id
 
         self.run_id = new_id()
-        config = _jsonable({k: v for k, v in asdict(self.cfg).items() if k not in ("admin_key", "database_url")})
+        config = _jsonable({k: v for k, v in asdict(self.cfg).items() if k not in ("admin_key", "database_url", "policies")})
         with self.factory() as s, s.begin():
             s.add(t.TrainingRun(id=self.run_id, config=config, host=socket.gethostname()))
         return self.run_id
@@ -141,7 +146,7 @@ class Controller:
     def end_run(self, status: str) -> None:
         from datetime import UTC, datetime
 
-        from proxy import tables as t
+        from proxy.store import tables as t
         from trainer import lease
 
         with self.factory() as s, s.begin():
@@ -155,7 +160,7 @@ class Controller:
     # --- 1-3: the next batch ---------------------------------------------------------------------
 
     def next_plan(self) -> Plan:
-        from proxy.versions import serving_version
+        from proxy.store.versions import serving_version
         from trainer import lease
 
         cfg = self.cfg
@@ -182,7 +187,7 @@ class Controller:
             return Plan(kind="wait")
         self.leased = ids
         with self.factory() as s, s.begin():
-            loaded = lease.load(s, ids, current=current.name)
+            loaded = lease.load(s, ids, current=current.name, policies=cfg.policies)
             fresh, stale = split_stale(loaded.steps, max_version_lag=cfg.max_version_lag)
             reasons = dict(loaded.skipped)
             for st in stale:
@@ -214,8 +219,8 @@ class Controller:
 
     def publish(self, state: dict[str, torch.Tensor], plan: Plan, stats: dict[str, Any], update: int,
                 base_dir: Path) -> UpdateResult:
-        from proxy import tables as t
-        from proxy.versions import mark_failed
+        from proxy.store import tables as t
+        from proxy.store.versions import mark_failed
         from trainer import swap
         from trainer.checkpoint import write_checkpoint
         from trainer.lease import LineageRow
@@ -285,7 +290,7 @@ def non_finite(state: dict[str, torch.Tensor], stats: dict[str, Any]) -> str | N
 def reference_checkpoint(s, opts: PPOOptions, current) -> str | None:
     """The KL penalty's reference model: None for the behaviour logprobs (or no penalty), the root
     of the serving version's lineage for "base", else the checkpoint path as given."""
-    from proxy import tables as t
+    from proxy.store import tables as t
 
     if not opts.kl_coef or opts.kl_ref == "behaviour":
         return None
@@ -445,7 +450,7 @@ def run(cfg: TrainConfig) -> list[UpdateResult]:
     ctl = Controller(cfg) if rank == 0 else None
     policy = Policy(cfg)
     results: list[UpdateResult] = []
-    status = "failed"
+    status = VersionStatus.failed
     try:
         dist.broadcast_object(ctl.start_run() if ctl else None)
         update = 0
@@ -465,7 +470,7 @@ def run(cfg: TrainConfig) -> list[UpdateResult]:
             result = ctl.publish(state, plan, stats, update, policy.checkpoint) if ctl else None
             result = dist.broadcast_object(result)
             results.append(result)
-            if result.status == "serving":
+            if result.status == VersionStatus.serving:
                 policy.version = result.version  # the weights in memory are the serving ones now
                 policy.checkpoint = Path(result.metrics["checkpoint"])
                 policy.resumed = cfg.optimizer_state == "keep"  # the next update continues this state

@@ -1,4 +1,4 @@
-"""`atdp train`: the trainer sidecar (flags override ATDP_TRAIN_* variables; see docs/training.md).
+"""`atdp train`: the trainer sidecar (flags override ATDP_TRAIN_* settings; see docs/training.md).
 
     atdp train --once                                   # one update + swap, then exit
     torchrun --nproc-per-node 2 -m proxy.cli train      # FSDP2 over 2 ranks (gloo on CPU, NCCL on GPU)
@@ -8,64 +8,39 @@ torch is imported inside the command, so `atdp --help` stays instant.
 
 from __future__ import annotations
 
-import os
+import argparse
+from typing import TYPE_CHECKING
 
-# (flag, env variable, type, default, help)
-OPTIONS: list[tuple[str, str, type, object, str]] = [
-    ("--min-steps", "ATDP_TRAIN_MIN_STEPS", int, 32, "train once this many rewarded steps wait"),
-    ("--interval-s", "ATDP_TRAIN_INTERVAL_S", float, 300.0, "...or after this long, if at least one waits"),
-    ("--max-steps", "ATDP_TRAIN_MAX_STEPS", int, 512, "steps per update (lease size)"),
-    ("--max-version-lag", "ATDP_TRAIN_MAX_VERSION_LAG", int, 4, "skip steps more versions old than this"),
-    ("--lease-ttl-s", "ATDP_TRAIN_LEASE_TTL_S", float, 1800.0, "a crashed trainer's lease expires after this"),
-    ("--lr", "ATDP_TRAIN_LR", float, 1e-5, "AdamW learning rate"),
-    ("--weight-decay", "ATDP_TRAIN_WEIGHT_DECAY", float, 0.0, "AdamW weight decay"),
-    ("--ppo-epochs", "ATDP_TRAIN_PPO_EPOCHS", int, 1, "optimizer steps per batch"),
-    ("--mode", "ATDP_TRAIN_MODE", str, "auto", "per_step | concat | auto"),
-    ("--turn-discount", "ATDP_TRAIN_TURN_DISCOUNT", float, 1.0, "earlier turns get reward * discount**k"),
-    ("--max-len", "ATDP_TRAIN_MAX_LEN", int, 4096, "tokens per sample (cut on the right)"),
-    ("--micro-batch-tokens", "ATDP_TRAIN_MICRO_BATCH_TOKENS", int, 8192, "padded tokens per micro-batch"),
-    ("--clip-low", "ATDP_TRAIN_CLIP_LOW", float, 0.2, "PPO clip epsilon below 1"),
-    ("--clip-high", "ATDP_TRAIN_CLIP_HIGH", float, 0.28, "PPO clip epsilon above 1"),
-    ("--ratio-mask-low", "ATDP_TRAIN_RATIO_MASK_LOW", float, 0.5, "drop tokens with p_train/p_engine below"),
-    ("--ratio-mask-high", "ATDP_TRAIN_RATIO_MASK_HIGH", float, 2.0, "...or above this"),
-    ("--max-grad-norm", "ATDP_TRAIN_MAX_GRAD_NORM", float, 1.0, "gradient clipping"),
-    ("--kl-mask", "ATDP_TRAIN_KL_MASK", float, 0.0, "drop tokens with Bernoulli KL(train, engine) above (0: off)"),
-    ("--kl-coef", "ATDP_TRAIN_KL_COEF", float, 0.0, "KL penalty coefficient, k3 estimator (0: off)"),
-    ("--kl-ref", "ATDP_TRAIN_KL_REF", str, "behaviour", "KL reference: behaviour | base | a checkpoint path"),
-    ("--temperature", "ATDP_TRAIN_TEMPERATURE", float, 1.0, "logprob temperature (1: the engine's raw logprobs)"),
-    ("--weighting", "ATDP_TRAIN_WEIGHTING", str, "token", "loss weight: token | session (each session once)"),
-    ("--optimizer-state", "ATDP_TRAIN_OPTIMIZER_STATE", str, "fresh",
-     "keep: AdamW state carries over between updates and --once runs; fresh: each update starts anew"),
-    ("--normalize-std", "ATDP_TRAIN_NORMALIZE_STD", int, 1, "1: divide advantages by the group's reward std"),
-    ("--dtype", "ATDP_TRAIN_DTYPE", str, "fp32", "master weights: fp32 | bf16"),
-    ("--compute-dtype", "ATDP_TRAIN_COMPUTE_DTYPE", str, "", "bf16: bf16 compute under FSDP2 (default: as stored)"),
-    ("--save-dtype", "ATDP_TRAIN_SAVE_DTYPE", str, "fp32", "checkpoint dtype (the engine casts to its own)"),
-    ("--engine-numerics", "ATDP_TRAIN_ENGINE_NUMERICS", str, "auto",
-     "auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-trunc (trainer/numerics.py)"),
-    ("--lora-r", "ATDP_TRAIN_LORA_R", int, 0, "LoRA rank (0: full fine-tuning)"),
-    ("--seed", "ATDP_TRAIN_SEED", int, 0, "torch seed"),
-    ("--max-updates", "ATDP_TRAIN_MAX_UPDATES", int, 0, "stop after this many updates (0: never)"),
-    ("--proxy-url", "ATDP_PROXY_URL", str, "", "the proxy (default http://ATDP_HOST:ATDP_PORT)"),
-]
+if TYPE_CHECKING:
+    from proxy.config import Settings
+    from trainer.loop import TrainConfig
+
+# Flags and the settings they override (`--min-steps` -> ATDP_TRAIN_MIN_STEPS, `--proxy-url` ->
+# ATDP_PROXY_URL). Types, defaults and help come from proxy.config.Settings: one place.
+FLAG_FIELDS: tuple[str, ...] = (
+    "train_min_steps", "train_interval_s", "train_max_steps", "train_max_version_lag", "train_lease_ttl_s",
+    "train_lr", "train_weight_decay", "train_ppo_epochs", "train_mode", "train_turn_discount", "train_max_len",
+    "train_micro_batch_tokens", "train_clip_low", "train_clip_high", "train_ratio_mask_low",
+    "train_ratio_mask_high", "train_max_grad_norm", "train_kl_mask", "train_kl_coef", "train_kl_ref",
+    "train_temperature", "train_weighting", "train_optimizer_state", "train_normalize_std", "train_dtype",
+    "train_compute_dtype", "train_save_dtype", "train_engine_numerics", "train_lora_r", "train_seed",
+    "train_max_updates", "proxy_url",
+)
 
 
-def _default(env: str, kind: type, default: object) -> object:
-    value = os.environ.get(env)
-    return kind(value) if value not in (None, "") else default
+def _flag(field: str) -> str:
+    return "--" + field.removeprefix("train_").replace("_", "-")
 
 
-def cmd_train(args) -> int:
-    import logging
-
-    from proxy.config import load_settings
-    from proxy.db import database_url
-    from trainer.loop import TrainConfig, run
+def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
+    """What `atdp train` runs with: its flags (defaults: the settings) and the tenant policies the
+    settings name (ATDP_POLICY_FILE, ATDP_PRODUCTION), checked again when steps are loaded."""
+    from proxy.governance.policies import Policies
+    from proxy.store.db import database_url
+    from trainer.loop import TrainConfig
     from trainer.loss import PPOOptions
 
-    for name in ("httpx", "httpcore", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    settings = load_settings()
-    cfg = TrainConfig(
+    return TrainConfig(
         database_url=database_url(settings),
         proxy_url=args.proxy_url or f"http://{settings.host}:{settings.port}",
         admin_key=settings.admin_key,
@@ -99,16 +74,36 @@ def cmd_train(args) -> int:
         engine_api_key=settings.upstream_api_key,
         lora_r=args.lora_r,
         seed=args.seed,
+        policies=Policies.from_settings(settings),
     )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import logging
+
+    from atdp_schema.models import VersionStatus
+    from proxy.config import load_settings
+    from trainer.loop import run
+
+    for name in ("httpx", "httpcore", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    cfg = train_config(args, load_settings())
     results = run(cfg)
     if args.once and not results:
         return 3  # nothing to train on
-    return 0 if all(r.status == "serving" for r in results) else 1
+    return 0 if all(r.status == VersionStatus.serving for r in results) else 1
 
 
 def register(sub) -> None:
+    from proxy.config import Settings, read_settings
+
+    # Defaults are the settings (ATDP_TRAIN_*, ATDP_PROXY_URL, the TOML file); a flag overrides.
+    current = read_settings()
     p = sub.add_parser("train", help="run the trainer sidecar (under torchrun for several ranks)")
     p.add_argument("--once", action="store_true", help="one update + swap on the steps available now, then exit")
-    for flag, env, kind, default, text in OPTIONS:
-        p.add_argument(flag, type=kind, default=_default(env, kind, default), help=f"{text} ({env})")
+    for field in FLAG_FIELDS:
+        info = Settings.model_fields[field]
+        kind = info.annotation if info.annotation in (int, float) else str
+        p.add_argument(_flag(field), dest=field.removeprefix("train_"), type=kind, default=getattr(current, field),
+                       help=f"{info.description} (ATDP_{field.upper()}, default {info.default!r})")
     p.set_defaults(func=cmd_train)

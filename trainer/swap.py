@@ -19,9 +19,10 @@ from typing import Any
 import httpx
 from sqlalchemy.exc import IntegrityError
 
-from proxy import tables as t
-from proxy.ids import new_id
-from proxy.versions import mark_failed, next_name
+from atdp_schema.models import VersionStatus
+from proxy.store import tables as t
+from proxy.store.ids import new_id
+from proxy.store.versions import mark_failed, next_name
 from trainer.lease import LineageRow, complete
 
 log = logging.getLogger("atdp.trainer.swap")
@@ -62,7 +63,7 @@ def register_candidate(
         try:
             with factory() as s, s.begin():
                 s.add(t.ModelVersion(id=version_id, name=version_name, parent_id=parent_id, checkpoint=checkpoint,
-                                     status="candidate", training_run_id=run_id, metrics=metrics,
+                                     status=VersionStatus.candidate, training_run_id=run_id, metrics=metrics,
                                      created_at=datetime.now(UTC)))
                 s.flush()
                 complete(s, version_id=version_id, lineage=lineage, owner=owner)
@@ -97,7 +98,7 @@ def request_swap(
         data = {}
     if resp.status_code in (200, 502) and "status" in data:
         swap = data.get("swap") or {}
-        return SwapOutcome(ok=data["status"] == "serving", version_id=version_id, name=name, status=data["status"],
+        return SwapOutcome(ok=data["status"] == VersionStatus.serving, version_id=version_id, name=name, status=data["status"],
                            seconds=swap.get("seconds"), error=swap.get("error"), response=data)
     # Refused before any swap (auth, validation, proxy not ready): the candidate never served.
     message = (data.get("error") or {}).get("message") if isinstance(data.get("error"), dict) else None
@@ -108,9 +109,9 @@ def _proxy_unreachable(factory, version_id: str, name: str, error: str) -> SwapO
     with factory() as s, s.begin():
         row = s.get(t.ModelVersion, version_id)
         status = row.status if row else "missing"
-        if status == "candidate":  # the proxy never took it up
+        if status == VersionStatus.candidate:  # the proxy never took it up
             mark_failed(s, version_id, error, actor="trainer")
-            status = "failed"
+            status = VersionStatus.failed
     log.error("swap of %s: %s", name, error)
-    return SwapOutcome(ok=status == "serving", version_id=version_id, name=name, status=status, seconds=None,
+    return SwapOutcome(ok=status == VersionStatus.serving, version_id=version_id, name=name, status=status, seconds=None,
                        error=error)

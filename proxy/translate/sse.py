@@ -1,4 +1,4 @@
-"""Server-sent events: encoding what we emit, and a small incremental decoder.
+"""Server-sent events: encoding what we emit, reading vLLM's stream, and a small incremental decoder.
 
 Both translated APIs name every event (`event: NAME` then `data: JSON`); chat completions sends
 only `data:` lines and ends with `data: [DONE]`.
@@ -7,6 +7,7 @@ only `data:` lines and ends with `data: [DONE]`.
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,3 +98,28 @@ class SSEDecoder:
         elif name == "data":
             self._data.append(value)
         return None
+
+
+async def iter_sse_batches(raw_chunks: AsyncIterable[bytes]) -> AsyncIterator[list[bytes]]:
+    """Yield, per network read, the `data:` payloads (bytes) of the SSE events it completed.
+
+    Handling a read's events together lets the proxy answer with one write per read instead of
+    one per event: the same bytes, far fewer sends when the engine is fast.
+    """
+    buf = b""
+    async for raw in raw_chunks:
+        buf += raw
+        if b"\n\n" not in buf:
+            continue
+        done, _, buf = buf.rpartition(b"\n\n")
+        yield [line[5:].strip() for event in done.split(b"\n\n") for line in event.split(b"\n")
+               if line.startswith(b"data:")]
+    if buf.strip():
+        yield [line[5:].strip() for line in buf.split(b"\n") if line.startswith(b"data:")]
+
+
+async def iter_sse(raw_chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """Yield each SSE event's `data:` payload (bytes) as it arrives."""
+    async for batch in iter_sse_batches(raw_chunks):
+        for payload in batch:
+            yield payload

@@ -1,0 +1,328 @@
+"""One model call, shared by every front door: session -> upstream -> capture -> recorder.
+
+A door (chat, messages, responses) parses its request, says which of its messages are the input and
+which outputs the client will echo back next turn, and shapes the answer. Everything else —
+continuation linking, replica choice and failover, the swap gate, timing, capture and handing the
+step to the recorder — happens here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from atdp_schema.models import StepStatus
+from proxy import telemetry
+from proxy.auth import Principal
+from proxy.errors import ApiError
+from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn
+from proxy.sessions import Continuation, SessionRef, StepLink, match_key, prefix_hashes, resolve
+from proxy.state import AppState
+from proxy.store.ids import new_id
+from proxy.translate import TranslationError
+from proxy.translate.chunks import Chunk, read_chunk
+from proxy.translate.sse import iter_sse
+from proxy.upstream import (
+    Lease,
+    NoReplicaAvailable,
+    Replica,
+    ReplicaFailed,
+    UpstreamError,
+    UpstreamResponse,
+    failover,
+    upstream_error,
+)
+
+
+@dataclass
+class Call:
+    state: AppState
+    principal: Principal
+    api: str
+    step_id: str
+    session: SessionRef
+    continuation: Continuation
+    hashes: list[str]
+    native_messages: list[Any]
+    system: Any
+    tools: Any
+    tool_results: list[ToolResultIn]
+    params: dict[str, Any]
+    model: str | None
+    client_info: dict[str, Any]
+    started_at: datetime
+    t0: float
+    start_ns: int
+    capture: ChatCapture = field(default_factory=ChatCapture)
+    lease: Lease | None = None
+    version: str | None = None  # weight version of the replica that served the call
+    upstream_url: str | None = None
+    ttft_s: float | None = None
+    finished: bool = False
+    replay_of: str | None = None
+
+    @property
+    def new_messages(self) -> list[Any]:
+        return self.native_messages[self.continuation.history_len :]
+
+    def response_headers(self) -> dict[str, str]:
+        return {"x-atdp-session-id": self.session.external_id, "x-atdp-step-id": self.step_id}
+
+    def mark_token(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.t0
+
+
+def begin(state: AppState, request: Request, principal: Principal, *, api: str, body: dict[str, Any], messages: list[Any],
+          system: Any = None, tools: Any = None, tool_results_of=None, params: dict[str, Any] | None = None,
+          path_session: str | None = None) -> Call:
+    """Resolve the session and parent step of a call (in memory, no I/O)."""
+    t0 = time.perf_counter()
+    keys = [match_key(m) for m in messages]
+    hashes = prefix_hashes(principal.tenant, keys)
+    session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session, body=body,
+                            hashes=hashes, index=state.index)
+    new = messages[cont.history_len :]
+    return Call(
+        state=state, principal=principal, api=api, step_id=new_id(), session=session, continuation=cont,
+        hashes=hashes, native_messages=messages, system=system, tools=tools,
+        tool_results=tool_results_of(new) if tool_results_of else [], params=params or {},
+        model=body.get("model"), client_info=_client_info(request.headers), started_at=datetime.now(UTC),
+        t0=t0, start_ns=time.time_ns(),
+    )
+
+
+def _client_info(headers) -> dict[str, Any]:
+    info = {}
+    for h in ("user-agent", "x-stainless-lang", "x-stainless-package-version", "anthropic-version", "originator"):
+        if v := headers.get(h):
+            info[h] = v[:200]
+    return info
+
+
+async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str = "/v1/chat/completions"
+                        ) -> UpstreamResponse:
+    """Send the call to a replica (sticky per session, failing over while nothing reached the client).
+
+    Returns the upstream response with its headers read and its body not yet consumed; the caller
+    must `close_upstream`. Raises UpstreamError (502/503) when no replica could take it.
+    """
+    state = call.state
+    content = orjson.dumps(upstream_body)
+    headers = {"content-type": "application/json", **state.pool.auth_headers}
+    http = state.http
+    assert http is not None, "the app is not started"
+
+    async def attempt(replica: Replica) -> UpstreamResponse:
+        try:
+            lease = await state.pool.acquire(replica)
+        except NoReplicaAvailable as e:
+            raise ReplicaFailed(str(e), 503) from None
+        try:
+            resp = UpstreamResponse(await http.post(replica.url + path, data=content, headers=headers))
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            state.pool.release(lease)
+            replica.mark_dead()
+            telemetry.UPSTREAM_FAILURES.labels(replica.url).inc()
+            raise ReplicaFailed(f"{replica.url}: {type(e).__name__}: {e}".rstrip(": ")) from None
+        if resp.status_code >= 500:
+            detail = (await resp.aread())[:500].decode(errors="replace")
+            await resp.aclose()
+            state.pool.release(lease)
+            replica.mark_dead(1.0)
+            telemetry.UPSTREAM_FAILURES.labels(replica.url).inc()
+            raise ReplicaFailed(f"{replica.url} answered {resp.status_code}: {detail}")
+        replica.mark_alive()
+        call.lease, call.version, call.upstream_url = lease, lease.version, replica.url
+        return resp
+
+    return await failover(state.pool, call.session.external_id, attempt)
+
+
+async def close_upstream(call: Call, resp: UpstreamResponse | None) -> None:
+    if call.lease is not None:
+        call.state.pool.release(call.lease)
+        call.lease = None
+    if resp is not None:
+        with contextlib.suppress(Exception):
+            await resp.aclose()
+
+
+def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, native_output: Any = None,
+           output_units: list[Any] | None = None, tool_names: dict[str, str] | None = None,
+           upstream: str | None = None) -> None:
+    """Record the call as a step (once), link it for continuation, and count it."""
+    if call.finished:
+        return
+    call.finished = True
+    cap = call.capture
+    total_s = time.perf_counter() - call.t0
+    link = StepLink(step_id=call.step_id, session_id=call.session.external_id)
+    transcript_hash = None
+    if status == "ok":
+        # The client's next call will start with these messages + what we answered.
+        units = output_units if output_units is not None else [cap.assistant_message()]
+        extended = prefix_hashes(call.principal.tenant, [match_key(m) for m in units],
+                                 start=call.hashes[-1] if call.hashes else None)
+        transcript_hash = extended[-1] if extended else None
+        if transcript_hash:
+            call.state.index.add(transcript_hash, link)
+        if call.hashes:
+            parent = call.continuation.parent
+            call.state.index.add_input(call.hashes[-1], link, parent if parent and parent.step_id else None,
+                                       call.continuation.history_len)
+    usage = cap.usage or {}
+    prompt_tokens = usage.get("prompt_tokens") or len(cap.prompt_token_ids)
+    completion_tokens = usage.get("completion_tokens") or len(cap.output_token_ids)
+    parent = call.continuation.parent
+    step = CapturedStep(
+        step_id=call.step_id, session=call.session, api=call.api, started_at=call.started_at,
+        parent_step_id=parent.step_id if parent and parent.step_id else None,
+        history_len=call.continuation.history_len, system=call.system, tools=call.tools,
+        new_messages=call.new_messages, tool_results=call.tool_results, params=call.params,
+        action=cap.action(native_output, tool_names), prompt_token_ids=cap.prompt_token_ids,
+        output_token_ids=cap.output_token_ids, output_logprobs=cap.output_logprobs,
+        output_tokens_text=cap.output_tokens_text, finish_reason=cap.finish_reason, status=status, error=error,
+        upstream=upstream or call.upstream_url, model=cap.model or call.model, model_version=call.version,
+        ttft_ms=call.ttft_s * 1000 if call.ttft_s is not None else None, total_ms=total_s * 1000,
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, transcript_hash=transcript_hash,
+        client_info=call.client_info, replay_of=call.replay_of,
+    )
+    call.state.recorder.submit(step)
+    telemetry.REQUESTS.labels(call.api, status).inc()
+    telemetry.LATENCY.labels(call.api).observe(total_s)
+    if call.ttft_s is not None:
+        telemetry.TTFT.labels(call.api).observe(call.ttft_s)
+    telemetry.TOKENS.labels("prompt").inc(prompt_tokens)
+    telemetry.TOKENS.labels("completion").inc(completion_tokens)
+    call.state.tracer.record_call(
+        api=call.api, model=step.model, session_id=call.session.external_id, step_id=call.step_id, status=status,
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start_ns=call.start_ns,
+        end_ns=time.time_ns(), finish_reason=cap.finish_reason, upstream=step.upstream,
+        error=(error or {}).get("message"),
+    )
+
+
+# --- reading the upstream answer (every door), relaying a translated stream (messages, responses) ---
+
+# What the proxy adds to every upstream request, for capture (the translators never ask for them).
+CAPTURE_FIELDS = {"return_token_ids": True, "logprobs": True}
+
+
+class Translator(Protocol):
+    def feed_part(self, part: Chunk) -> list[bytes]: ...
+    def finish(self) -> list[bytes]: ...
+
+
+def translation_error(e: TranslationError) -> ApiError:
+    return ApiError(e.status, e.message)
+
+
+async def open_translated(call: Call, upstream_body: dict[str, Any]) -> UpstreamResponse:
+    """Send a translated request; an upstream failure is recorded and raised as an ApiError, which
+    the app renders in the door's own error shape (Anthropic or OpenAI), not vLLM's."""
+    try:
+        resp = await open_upstream(call, {**upstream_body, **CAPTURE_FIELDS})
+    except ApiError as e:
+        finish(call, status="error", error={"type": "upstream_unavailable", "message": e.message,
+                                                  "status_code": e.status})
+        e.headers = {**e.headers, **call.response_headers()}
+        raise
+    if resp.status_code >= 400:
+        data = await resp.aread()
+        upstream_url = call.upstream_url
+        await close_upstream(call, resp)
+        error = upstream_error(resp.status_code, data)
+        finish(call, status="error", error=error, upstream=upstream_url)
+        raise ApiError(resp.status_code, error["message"], headers=call.response_headers())
+    return resp
+
+
+async def read_completion(call: Call, resp: UpstreamResponse) -> dict[str, Any]:
+    """Read a non-streamed chat completion and feed it to the capture (upstream released)."""
+    try:
+        data = await resp.aread()
+    except UpstreamError as e:
+        await close_upstream(call, resp)
+        finish(call, status="error", error={"type": "upstream_error", "message": e.message})
+        e.headers = {**e.headers, **call.response_headers()}
+        raise
+    await close_upstream(call, resp)
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        finish(call, status="error", error={"type": "upstream_error", "message": "upstream sent invalid JSON"})
+        raise ApiError(502, "upstream sent invalid JSON", headers=call.response_headers()) from None
+    call.mark_token()
+    call.capture.feed_response(parsed)
+    return parsed
+
+
+async def relay(call: Call, resp: UpstreamResponse, translator: Translator, fail: Callable[[str], list[bytes]],
+                done: Callable[[str, dict[str, Any] | None], None]) -> AsyncIterator[bytes]:
+    """vLLM's chat chunks -> capture (raw) and translator (client events); `done(status, error)` once.
+
+    `done` runs however the stream ends: completed ("ok"), upstream error ("error"), or the client
+    leaving mid-stream ("aborted", the generator is closed at its pending `yield`).
+    """
+    status, error = StepStatus.aborted, {"type": "client_disconnected", "message": "the client went away mid-stream"}
+    try:
+        async for payload in iter_sse(resp.aiter_raw()):
+            if payload == b"[DONE]":
+                continue
+            part = read_chunk(orjson.loads(payload))  # read once: capture and translator share it
+            if part.error is not None:  # vLLM's mid-stream failure
+                status, error = StepStatus.error, {"type": "upstream_error", "message": part.error}
+                yield b"".join(translator.feed_part(part))  # the translator answers with its error event
+                break
+            call.capture.feed(part)
+            if call.ttft_s is None and call.capture.output_token_ids:
+                call.mark_token()
+            events = translator.feed_part(part)
+            if events:
+                yield b"".join(events)
+        else:
+            status, error = "ok", None
+            yield b"".join(translator.finish())
+    except UpstreamError as e:
+        status, error = "error", {"type": "upstream_error", "message": e.message}
+        yield b"".join(fail(e.message))
+    finally:
+        try:
+            done(status, error)
+        finally:
+            await close_upstream(call, resp)
+
+
+class GuardedStream(StreamingResponse):
+    """An SSE response that records its call and frees its replica however the stream ends.
+
+    If the client leaves before the body iterator even starts, the generator's own `finally`
+    never runs; this wrapper still records the step (aborted) and releases the upstream.
+    """
+
+    def __init__(self, call: Call, resp: UpstreamResponse, body, headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={**call.response_headers(), "cache-control": "no-cache", **(headers or {})})
+        self._call, self._resp = call, resp
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._call.finished:
+                finish(self._call, status=StepStatus.aborted,
+                       error={"type": "client_disconnected", "message": "the client went away before the stream"},
+                       native_output=self._call.capture.assistant_message())
+            await close_upstream(self._call, self._resp)
+
+

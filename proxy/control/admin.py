@@ -1,0 +1,167 @@
+"""Governance control routes: tenant policy, forget, retention, audit trail; the retention task.
+
+    GET    /atdp/v1/tenants/{tenant}/policy    the effective policy (admin, or the tenant's own key)
+    PUT    /atdp/v1/tenants/{tenant}/policy    change keys of it (admin; validated; audited)
+    DELETE /atdp/v1/sessions/{session_id}      forget a session (its tenant's key; admin: ?tenant=)
+    DELETE /atdp/v1/tenants/{tenant}           forget all of a tenant's recorded data (admin)
+    POST   /atdp/v1/retention/run              run the retention job now (admin)
+    GET    /atdp/v1/audit                      audit rows, newest first (admin)
+
+`retention_loop` is the periodic retention job (every `ATDP_RETENTION_INTERVAL_S`), started by the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.errors import ApiError
+from proxy.governance import forget
+from proxy.governance.policy import PolicyError, TenantPolicy
+from proxy.http import DB_UNAVAILABLE, Route, json_response, read_json, run_db
+from proxy.state import AppState
+from proxy.store import tables as t
+
+log = logging.getLogger("atdp.admin")
+
+
+def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bool = False) -> None:
+    state.recorder.forget(report.tenant, step_ids=report.step_ids,
+                          content_hashes=None if whole_tenant else report.content_hashes)
+
+
+def _policy_response(tenant: str, policy: TenantPolicy) -> Response:
+    return json_response({"tenant": tenant, "policy": policy.to_dict()})
+
+
+def routes(state: AppState) -> list[Route]:
+    # The token guard (ATDP_TOKENIZER) is built with the recorder: proxy.record.writer_process.build_recorder.
+
+    async def get_policy(request: Request) -> Response:
+        tenant = request.path_params["tenant"]
+        principal = await state.authenticate(request)
+        if not principal.is_admin and principal.tenant != tenant:
+            raise ApiError(403, "a tenant may read only its own policy", type="permission_error")
+        policy = await run_db(state, lambda s: state.policies.policy_for(s, tenant))
+        return _policy_response(tenant, policy)
+
+    async def put_policy(request: Request) -> Response:
+        tenant = request.path_params["tenant"]
+        principal = await state.authenticate(request, admin=True)
+        changes = await read_json(request, 1 << 20)
+        if not isinstance(changes, dict) or not changes:
+            raise ApiError(400, "send a JSON object of policy keys to change")
+        try:
+            policy = await run_db(state, lambda s: state.policies.set_policy(s, tenant, changes, actor=principal.actor))
+        except PolicyError as e:
+            raise ApiError(400, f"invalid policy: {e}") from None
+        state.recorder.forget(tenant, content_hashes=[])  # drops the writer's cached policy
+        return _policy_response(tenant, policy)
+
+    async def delete_session(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        principal = await state.authenticate(request)
+        tenant = request.query_params.get("tenant") if principal.is_admin else principal.tenant
+        await asyncio.to_thread(state.recorder.flush, 10.0)  # a step still queued must not outlive the forget
+        try:
+            report = await run_db(state, lambda s: forget.forget_session(
+                s, session_id, tenant=tenant, actor=principal.actor, reason=request.query_params.get("reason")))
+        except LookupError as e:
+            raise ApiError(409, str(e)) from None
+        if report is None:
+            raise ApiError(404, f"no session {session_id!r}" + (f" in tenant {tenant!r}" if tenant else ""))
+        _after_forget(state, report)
+        return json_response({"forgotten": "session", "session_id": session_id, "tenant": report.tenant, **report.counts()})
+
+    async def delete_tenant(request: Request) -> Response:
+        tenant = request.path_params["tenant"]
+        principal = await state.authenticate(request, admin=True)
+        await asyncio.to_thread(state.recorder.flush, 10.0)
+        report = await run_db(state, lambda s: forget.forget_tenant(
+            s, tenant, actor=principal.actor, reason=request.query_params.get("reason")))
+        _after_forget(state, report, whole_tenant=True)
+        return json_response({"forgotten": "tenant", "tenant": tenant, **report.counts()})
+
+    async def run_retention(request: Request) -> Response:
+        principal = await state.authenticate(request, admin=True)
+        reports = await asyncio.to_thread(retention_once, state, principal.actor)
+        return json_response({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports]})
+
+    async def audit(request: Request) -> Response:
+        await state.authenticate(request, admin=True)
+        q = request.query_params
+        try:
+            limit = min(max(int(q.get("limit", "100")), 1), 1000)
+            before = int(q["before"]) if q.get("before") else None
+            since = datetime.fromisoformat(q["since"]) if q.get("since") else None
+            until = datetime.fromisoformat(q["until"]) if q.get("until") else None
+        except ValueError as e:
+            raise ApiError(400, f"bad query parameter: {e}") from None
+
+        def rows(s: Session) -> list[dict[str, Any]]:
+            stmt = select(t.AuditEvent).order_by(t.AuditEvent.id.desc()).limit(limit + 1)
+            if q.get("tenant"):
+                stmt = stmt.where(t.AuditEvent.tenant_id == q["tenant"])
+            if q.get("actor"):
+                stmt = stmt.where(t.AuditEvent.actor == q["actor"])
+            if q.get("action"):  # exact, or a prefix ending in '.': "forget."
+                a = q["action"]
+                stmt = stmt.where(t.AuditEvent.action.startswith(a) if a.endswith(".") else t.AuditEvent.action == a)
+            if before is not None:
+                stmt = stmt.where(t.AuditEvent.id < before)
+            if since is not None:
+                stmt = stmt.where(t.AuditEvent.at >= since)
+            if until is not None:
+                stmt = stmt.where(t.AuditEvent.at < until)
+            return [
+                {"id": r.id, "at": r.at.isoformat(), "actor": r.actor, "tenant": r.tenant_id, "action": r.action,
+                 "target": r.target, "details": r.details}
+                for r in s.scalars(stmt)
+            ]
+
+        found = await run_db(state, rows)
+        more = len(found) > limit
+        found = found[:limit]
+        return json_response({"data": found, "next_before": found[-1]["id"] if more else None})
+
+    return [
+        Route("/atdp/v1/tenants/{tenant}/policy", get_policy, ("GET",)),
+        Route("/atdp/v1/tenants/{tenant}/policy", put_policy, ("PUT",)),
+        Route("/atdp/v1/sessions/{session_id}", delete_session, ("DELETE",)),
+        Route("/atdp/v1/tenants/{tenant}", delete_tenant, ("DELETE",)),
+        Route("/atdp/v1/retention/run", run_retention, ("POST",)),
+        Route("/atdp/v1/audit", audit, ("GET",)),
+    ]
+
+
+def retention_once(state: AppState, actor: str = "system") -> list[forget.Forgotten]:
+    """One retention pass on the proxy's database, then the writer's caches are told."""
+    if state.factory is None:
+        raise ApiError(503, DB_UNAVAILABLE)
+    with state.factory() as s, s.begin():
+        reports = forget.run_retention(s, policy_for=state.policies.policy_for, actor=actor)
+    for r in reports:
+        _after_forget(state, r)
+    return reports
+
+
+async def retention_loop(state: AppState, interval: float) -> None:
+    """The proxy's retention job, every `interval` seconds (ATDP_RETENTION_INTERVAL_S)."""
+    while True:
+        await asyncio.sleep(interval)
+        if state.factory is None:
+            continue
+        try:
+            reports = await asyncio.to_thread(retention_once, state)
+        except Exception:
+            log.exception("retention job failed; retrying in %.0fs", interval)
+            continue
+        if reports:
+            log.info("retention forgot %d sessions", sum(r.sessions for r in reports))

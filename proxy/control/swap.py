@@ -1,0 +1,207 @@
+"""Versioned hot-swap of every vLLM replica, and rollback's restore path.
+
+A swap goes one replica at a time. For each: close its gate (new calls wait or go to another open
+replica), wait until its in-flight calls drained, run vLLM's dev-mode sequence (pause, reload
+weights, tag the weight version, resume), set `replica.version`, reopen. A call is stamped with
+`replica.version` when it enters the gate and no call is in flight while the weights change, so every
+output token's version is exact. If any replica fails, every replica already swapped (and the failed
+one) is reloaded with the previous checkpoint: the old version keeps serving everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from atdp_schema.models import VersionStatus
+from proxy import telemetry
+from proxy.errors import ApiError
+from proxy.state import AppState
+from proxy.store import tables as t
+from proxy.store.ids import new_id
+from proxy.store.versions import BASE_NAME, VersionRef, serving_version
+from proxy.upstream import Replica
+
+log = logging.getLogger("atdp.versions")
+
+
+class SwapError(Exception):
+    pass
+
+
+async def _check(resp: httpx.Response, what: str) -> None:
+    if resp.status_code >= 400:
+        raise SwapError(f"{what} answered {resp.status_code}: {resp.text[:300]}")
+
+
+async def load_weights(client: httpx.AsyncClient, replica: Replica, checkpoint: str, name: str, *,
+                       headers: dict[str, str], timeout_s: float) -> None:
+    """vLLM dev mode: pause (let running requests end), reload, tag the version, resume."""
+    url = replica.url
+    await _check(await client.post(url + "/pause", params={"mode": "wait"}, headers=headers, timeout=timeout_s),
+                 f"{url}/pause")
+    try:
+        rpc = await client.post(url + "/collective_rpc", headers=headers, timeout=timeout_s,
+                                json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})
+        await _check(rpc, f"{url} reload_weights({checkpoint})")
+        tag = await client.post(url + "/update_weight_version", json={"new_version": name}, headers=headers,
+                                timeout=timeout_s)
+        await _check(tag, f"{url}/update_weight_version")
+    finally:
+        # Never leave a replica paused: it would hold every call sent to it.
+        await _check(await client.post(url + "/resume", headers=headers, timeout=timeout_s), f"{url}/resume")
+
+
+class Versions:
+    """The proxy's view of versions: what serves now, and the one swap that may run at a time."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        self.lock = asyncio.Lock()
+        self.current: VersionRef | None = None
+        self.ready = threading.Event()
+        self.drain_timeout_s = state.settings.swap_drain_timeout_s
+        self.load_timeout_s = state.settings.swap_load_timeout_s
+
+    # --- start-up -------------------------------------------------------------------------------
+
+    def start_up(self) -> None:
+        """Read the serving version (registering `base` the first time), stamp replicas with it and
+        tell each vLLM its name. Runs in a thread; retries until the upstream answers."""
+        while True:
+            try:
+                self._start_up_once()
+                self.ready.set()
+                return
+            except Exception as e:  # the upstream may still be starting
+                log.warning("versions start-up: %s: %s; retrying", type(e).__name__, e)
+                time.sleep(2.0)
+
+    def _start_up_once(self) -> None:
+        state = self.state
+        with state.factory() as s, s.begin():
+            row = serving_version(s)
+            ref = VersionRef(row.id, row.name, row.checkpoint) if row else None
+        roots = {r.url: _root(r.url, state.pool.auth_headers) for r in state.pool.replicas}
+        if ref is None:
+            root = next((x for x in roots.values() if x), None)
+            if root is None:
+                raise SwapError("no replica answered GET /v1/models: cannot name the base checkpoint")
+            ref = self._register_base(root)
+        for replica in state.pool.replicas:
+            replica.version = ref.name
+        self.current = ref
+        for replica in state.pool.replicas:
+            headers = state.pool.auth_headers
+            try:
+                reported = httpx.get(replica.url + "/weight_info", headers=headers, timeout=5.0).json()
+                reported = reported.get("weight_version")
+                fresh_base = reported == "default" and roots.get(replica.url) == ref.checkpoint
+                if reported != ref.name and not fresh_base:
+                    log.warning("replica %s reports weight version %r but the serving version is %r (%s); "
+                                "its tokens are stamped %r", replica.url, reported, ref.name, ref.checkpoint, ref.name)
+                httpx.post(replica.url + "/update_weight_version", json={"new_version": ref.name}, headers=headers,
+                           timeout=5.0).raise_for_status()
+            except Exception as e:
+                log.warning("could not sync the weight version of %s: %s: %s", replica.url, type(e).__name__, e)
+        log.info("serving version %s (%s) on %d replica(s)", ref.name, ref.checkpoint, len(state.pool.replicas))
+
+    def _register_base(self, root: str) -> VersionRef:
+        state = self.state
+        for _ in range(3):
+            try:
+                with state.factory() as s, s.begin():
+                    row = serving_version(s)
+                    if row is None:
+                        row = s.scalars(select(t.ModelVersion).where(t.ModelVersion.name == BASE_NAME)).first()
+                        now = datetime.now(UTC)
+                        if row is None:
+                            row = t.ModelVersion(id=new_id(), name=BASE_NAME, checkpoint=root, status=VersionStatus.serving,
+                                                 served_at=now, created_at=now, metrics={})
+                            s.add(row)
+                        else:
+                            row.status, row.served_at = VersionStatus.serving, now
+                        s.add(t.AuditEvent(actor="system", action="version.base", target=row.id,
+                                           details={"checkpoint": row.checkpoint}))
+                    return VersionRef(row.id, row.name, row.checkpoint)
+            except IntegrityError:  # another proxy registered it at the same moment
+                continue
+        raise SwapError("could not register the base version")
+
+    # --- swaps ----------------------------------------------------------------------------------
+
+    async def swap(self, target: VersionRef) -> dict[str, Any]:
+        """Swap every replica to `target`, one at a time; on any failure restore the previous version
+        everywhere. Returns {"ok", "error", "seconds", "replicas": [...]}; the caller records statuses."""
+        state = self.state
+        pool, client, headers = state.pool, state.client, state.pool.auth_headers
+        assert client is not None, "the app is not started"
+        previous = self.current
+        if previous is None:
+            raise ApiError(503, "the serving version is not known yet; try again shortly")
+        t0 = time.perf_counter()
+        done: list[Replica] = []
+        timings: list[dict[str, Any]] = []
+        try:
+            for replica in pool.replicas:
+                t_gate = time.perf_counter()
+                async with pool.swapping(replica, self.drain_timeout_s):
+                    t_load = time.perf_counter()
+                    try:
+                        await load_weights(client, replica, target.checkpoint, target.name, headers=headers,
+                                           timeout_s=self.load_timeout_s)
+                    except BaseException:
+                        # The reload may have half-replaced the weights: put the old ones back before
+                        # the gate reopens.
+                        await self._restore(replica, previous)
+                        raise
+                    replica.version = target.name
+                done.append(replica)
+                timings.append({"url": replica.url, "drain_s": round(t_load - t_gate, 4),
+                                "load_s": round(time.perf_counter() - t_load, 4)})
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (drain timeout?)"
+            for replica in done:
+                async with pool.swapping(replica, self.drain_timeout_s):
+                    await self._restore(replica, previous)
+            telemetry.SWAPS.labels("failed").inc()
+            log.error("swap to %s failed (%s); %s serves on every replica", target.name, error, previous.name)
+            return {"ok": False, "error": error, "seconds": time.perf_counter() - t0, "replicas": timings}
+        seconds = time.perf_counter() - t0
+        self.current = target
+        telemetry.SWAPS.labels("ok").inc()
+        telemetry.SWAP_SECONDS.observe(seconds)
+        log.info("now serving %s on %d replica(s) (%.3f s)", target.name, len(done), seconds)
+        return {"ok": True, "error": None, "seconds": seconds, "replicas": timings}
+
+    async def _restore(self, replica: Replica, previous: VersionRef) -> None:
+        try:
+            assert self.state.client is not None, "the app is not started"
+            await load_weights(self.state.client, replica, previous.checkpoint, previous.name,
+                               headers=self.state.pool.auth_headers, timeout_s=self.load_timeout_s)
+            replica.version = previous.name
+        except Exception as e:
+            # The replica's weights are unknown now: keep calls away from it for a while.
+            log.error("could not restore %s on %s: %s: %s", previous.name, replica.url, type(e).__name__, e)
+            replica.mark_dead(30.0)
+
+    async def wait_ready(self) -> None:
+        if not self.ready.is_set() and not await asyncio.to_thread(self.ready.wait, 30.0):
+            raise ApiError(503, "model versions are not loaded yet (database or upstream starting)")
+
+
+def _root(url: str, headers: dict[str, str]) -> str | None:
+    """The checkpoint a replica was started with: `root` of its first model in GET /v1/models."""
+    try:
+        data = httpx.get(url + "/v1/models", headers=headers, timeout=5.0).json().get("data") or []
+    except Exception:
+        return None
+    return (data[0].get("root") or data[0].get("id")) if data else None

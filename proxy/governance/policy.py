@@ -1,0 +1,192 @@
+"""Tenant policy: consent, retention, reward handling, and which steps may train.
+
+This module is the pure part: the policy dataclass, loading it from TOML and the eligibility decision.
+Applying policy to stored rows (forget, retention sweeps) lives in `proxy.governance.forget`; the
+token guard in `proxy.governance.tokens`.
+
+Eligibility levels, from most to least usable:
+- `eligible`: may be leased by the trainer.
+- `debug_only`: kept for inspection and replay, never trained on.
+- `audit_only`: kept as a record of what happened, never exported for training or debugging.
+- `quarantined`: held back until an operator looks (e.g. a secret was found in it).
+- `deleted`: forgotten; only the tombstone remains.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from atdp_schema.models import Eligibility, StepStatus
+from proxy.governance.redaction import SECRET_ENTITIES, RedactionConfig
+from proxy.store.rewards import REWARD_COMBINE
+
+# From most to least usable; a stricter level wins when several rules apply.
+ELIGIBILITY_LEVELS: tuple[str, ...] = tuple(level.value for level in Eligibility)
+# A step's own statuses (StepStatus) plus the failure spellings older records and clients use.
+ERROR_STATUSES = frozenset({StepStatus.error, StepStatus.aborted, "timeout", "upstream_error", "cancelled"})
+
+
+
+class PolicyError(ValueError):
+    """A policy file or dict that does not describe a valid policy."""
+
+
+@dataclass
+class TenantPolicy:
+    training_consent: bool = False
+    retention_days: int | None = 90  # None: keep forever
+    reward_min: float = -1.0
+    reward_max: float = 1.0
+    reward_combine: Literal["last", "mean", "min", "max", "sum"] = "last"
+    secrets_eligibility: str = Eligibility.quarantined
+    pii_eligibility: str = Eligibility.eligible  # PII is redacted before storage; this is for stricter tenants
+    error_eligibility: str = Eligibility.debug_only
+    # Redaction settings of this tenant (the deployment supplies the salt and the NER model).
+    redaction_entities: tuple[str, ...] | None = None
+    redaction_style: Literal["placeholder", "hash"] = "placeholder"
+    redaction_allow_list: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.training_consent, bool):
+            raise PolicyError("training_consent must be true or false")
+        if self.retention_days is not None and (
+            isinstance(self.retention_days, bool)
+            or not isinstance(self.retention_days, int)
+            or self.retention_days < 1
+        ):
+            raise PolicyError(
+                f"retention_days must be a positive integer or absent, not {self.retention_days!r}"
+            )
+        for name in ("reward_min", "reward_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise PolicyError(f"{name} must be a finite number, not {value!r}")
+        if self.reward_min >= self.reward_max:
+            raise PolicyError(f"reward_min ({self.reward_min}) must be below reward_max ({self.reward_max})")
+        if self.reward_combine not in REWARD_COMBINE:
+            raise PolicyError(
+                f"reward_combine must be one of {list(REWARD_COMBINE)}, not {self.reward_combine!r}"
+            )
+        for name in ("secrets_eligibility", "pii_eligibility", "error_eligibility"):
+            value = getattr(self, name)
+            if value not in ELIGIBILITY_LEVELS:
+                raise PolicyError(f"{name} must be one of {list(ELIGIBILITY_LEVELS)}, not {value!r}")
+        if self.redaction_style not in ("placeholder", "hash"):
+            raise PolicyError(
+                f"redaction_style must be 'placeholder' or 'hash', not {self.redaction_style!r}"
+            )
+        if self.redaction_entities is not None:
+            if isinstance(self.redaction_entities, str) or not all(
+                isinstance(e, str) for e in self.redaction_entities
+            ):
+                raise PolicyError("redaction_entities must be a list of entity names")
+            self.redaction_entities = tuple(self.redaction_entities)
+        if isinstance(self.redaction_allow_list, str) or not all(
+            isinstance(v, str) for v in self.redaction_allow_list
+        ):
+            raise PolicyError("redaction_allow_list must be a list of strings")
+        self.redaction_allow_list = tuple(self.redaction_allow_list)
+
+    def redaction_config(self, *, salt: bytes = b"", ner_model: str | None = None) -> RedactionConfig:
+        return RedactionConfig(
+            entities=self.redaction_entities,
+            style=self.redaction_style,
+            allow_list=self.redaction_allow_list,
+            salt=salt,
+            ner_model=ner_model,
+        )
+
+    def clamp_reward(self, value: float) -> float:
+        return min(self.reward_max, max(self.reward_min, value))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("redaction_entities", "redaction_allow_list"):
+            if out[key] is not None:
+                out[key] = list(out[key])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, base: TenantPolicy | None = None) -> TenantPolicy:
+        """Build from a mapping; fields it lacks come from `base` (or the defaults). Unknown keys are
+        errors, not silently ignored: a typo in a consent flag must not pass."""
+        if not isinstance(data, dict):
+            raise PolicyError(f"a policy must be a table, not {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PolicyError(f"unknown policy keys {unknown}; known: {sorted(known)}")
+        merged = (base or cls()).to_dict()
+        merged.update(data)
+        try:
+            return cls(**merged)
+        except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
+            raise PolicyError(str(exc)) from exc
+
+
+def load_policies(path: str | Path) -> dict[str, TenantPolicy]:
+    """Policies from TOML: a `[default]` table and one table per tenant; a tenant table overrides
+    only the keys it names. Tenants without a table get `result["default"]`."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{path}: {exc}") from exc
+    for name, table in raw.items():
+        if not isinstance(table, dict):
+            raise PolicyError(f"{path}: top-level key {name!r} must be a table ([{name}])")
+    try:
+        default = TenantPolicy.from_dict(raw.get("default", {}))
+    except PolicyError as exc:
+        raise PolicyError(f"{path}: [default]: {exc}") from exc
+    policies = {"default": default}
+    for tenant, table in raw.items():
+        if tenant == "default":
+            continue
+        try:
+            policies[tenant] = TenantPolicy.from_dict(table, base=default)
+        except PolicyError as exc:
+            raise PolicyError(f"{path}: [{tenant}]: {exc}") from exc
+    return policies
+
+
+def decide_eligibility(
+    policy: TenantPolicy,
+    *,
+    status: str,
+    redaction_counts: dict[str, int],
+    tokens_available: bool,
+) -> tuple[str, str]:
+    """The eligibility of one captured step and why. The strictest applicable rule wins."""
+    candidates: list[tuple[str, str]] = []
+    if status == Eligibility.deleted:
+        return Eligibility.deleted, "deleted"
+    if not policy.training_consent:
+        candidates.append((Eligibility.audit_only, "no training consent"))
+    if status in ERROR_STATUSES:
+        candidates.append((policy.error_eligibility, f"step status {status}"))
+    secrets = sorted(e for e, n in redaction_counts.items() if n > 0 and e in SECRET_ENTITIES)
+    if secrets:
+        candidates.append((policy.secrets_eligibility, "secrets redacted: " + ", ".join(secrets)))
+    pii = sorted(e for e, n in redaction_counts.items() if n > 0 and e not in SECRET_ENTITIES)
+    if pii:
+        candidates.append((policy.pii_eligibility, "pii redacted: " + ", ".join(pii)))
+    if not tokens_available and status not in ERROR_STATUSES:
+        # A failed call has nothing to train on anyway; it stays debuggable under the error rule.
+        candidates.append((Eligibility.audit_only, "token ids not captured"))
+    if not candidates:
+        return Eligibility.eligible, "ok"
+    # Strictest first: deleted > quarantined > audit_only > debug_only > eligible.
+    rank = {level: i for i, level in enumerate(ELIGIBILITY_LEVELS)}
+    worst = max(candidates, key=lambda c: rank[c[0]])
+    if worst[0] == Eligibility.eligible:
+        return Eligibility.eligible, "ok"
+    return worst
+
+

@@ -1,0 +1,450 @@
+"""Redaction of persisted text: Presidio recognizers plus the secret kinds Presidio lacks.
+
+Everything the store or the spool keeps goes through `Redactor.redact_value` first; what is served to
+the client is never touched. The design follows the cost model in the field notes:
+
+- Presidio's `AnalyzerEngine.analyze` costs ~26 ms per 3 KB on one core. Profiling showed where:
+  `PhoneRecognizer` (python-phonenumbers, 8 regions over the whole text) ~14 ms, the lemma context
+  enhancer ~6 ms (it walks the spaCy doc once per result, and with a blank pipeline every lemma is
+  empty, so it never boosts anything), the spaCy tokenizer ~3 ms, a dozen country recognizers the
+  rest. So the `Redactor` drives Presidio's recognizers itself: each one sits behind a cheap `re`
+  gate that says whether it can match at all, phonenumbers only sees short windows around digit runs,
+  and context words are read from the text just before a match (Presidio's prefix window of five
+  words, substring match) instead of from spaCy lemmas.
+- Offline: the default NLP pipeline is `spacy.blank("en")`; it yields no entities and no lemmas, so it
+  is not run at all. When `ner_model` names an installed spaCy pipeline (a package or a path) it is run
+  once per text and Presidio's `SpacyRecognizer` turns its entities into PERSON / LOCATION / ...
+  The email recognizer's tldextract uses its bundled suffix list and never fetches.
+- `RedactionPool` (`proxy.governance.redaction_pool`) spreads distinct contents over worker processes; callers scan each distinct content
+  once (the store is content-addressed) and off the request path (the writer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import re
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from proxy.governance.secrets import (
+    _AUTH_KEY,
+    _AUTH_VALUE,
+    _KV_SECRET,
+    _PRESIDIO_GATES,
+    _SECRET_GATES,
+    _SECRET_KEY,
+    _SECRET_RULES,
+    BENIGN_VALUES,
+    DEFAULT_ENTITIES,
+    DEFAULT_NER_ENTITIES,
+    NER_ENTITIES,
+    SECRET_ENTITIES,
+    _is_reference,
+    _kv_span,
+    _merge,
+    _phone_windows,
+    looks_secret,
+)
+
+_LANGUAGE = "en"
+
+
+@dataclass(frozen=True)
+class RedactionConfig:
+    """What to redact and how. `entities=None` means `DEFAULT_ENTITIES` (plus PERSON and LOCATION when
+    `ner_model` is set); name an `OPT_IN_ENTITIES` member explicitly to get it."""
+
+    entities: tuple[str, ...] | None = None
+    style: Literal["placeholder", "hash"] = "placeholder"
+    allow_list: tuple[str, ...] = ()
+    salt: bytes = b""
+    ner_model: str | None = None
+    score_threshold: float = 0.4
+
+    def __post_init__(self) -> None:
+        if self.style not in ("placeholder", "hash"):
+            raise ValueError(f"style must be 'placeholder' or 'hash', not {self.style!r}")
+        if not 0.0 <= self.score_threshold <= 1.0:
+            raise ValueError("score_threshold must be within [0, 1]")
+        # Lists from TOML/JSON are accepted but stored as tuples so the config stays hashable.
+        if self.entities is not None:
+            object.__setattr__(self, "entities", tuple(self.entities))
+        object.__setattr__(self, "allow_list", tuple(self.allow_list))
+
+
+@dataclass
+class RedactionResult:
+    text: str
+    counts: dict[str, int]
+    spans: list[tuple[int, int, str]] = field(default_factory=list)  # offsets in the input; no values
+
+
+@contextlib.contextmanager
+def _without_torch() -> Iterator[None]:
+    """spaCy's thinc imports torch when it is installed (seconds, hundreds of MB per process) and
+    Presidio imports transformers; the redactor uses neither. Hide them while Presidio is imported,
+    then unhide them so later real imports in the same process still work."""
+    hidden = [m for m in ("torch", "transformers") if m not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+
+
+def _hash_key(salt: bytes, tenant: str) -> bytes:
+    return salt + b"\x00" + tenant.encode()
+
+
+class Redactor:
+    """Finds PII and secrets in text and replaces them. Build once per process; thread-safe for reads."""
+
+    def __init__(self, config: RedactionConfig | None = None) -> None:
+        self.config = config or RedactionConfig()
+        with _without_torch():
+            self._build()
+
+    # -- construction ------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        from presidio_analyzer import predefined_recognizers as pr
+
+        email_cls, phone_cls = _recognizer_classes()
+        cfg = self.config
+        self._nlp = None
+        self._nlp_engine = None
+        self._ner_recognizer = None
+        if cfg.ner_model:
+            self._load_ner(cfg.ner_model)
+
+        presidio: dict[str, Any] = {
+            "EMAIL_ADDRESS": email_cls,
+            "PHONE_NUMBER": phone_cls,
+            "CREDIT_CARD": pr.CreditCardRecognizer,
+            "IP_ADDRESS": pr.IpRecognizer,
+            "IBAN_CODE": pr.IbanRecognizer,
+            "US_SSN": pr.UsSsnRecognizer,
+            "US_ITIN": pr.UsItinRecognizer,
+            "CRYPTO": pr.CryptoRecognizer,
+            "MAC_ADDRESS": pr.MacAddressRecognizer,
+            "URL": pr.UrlRecognizer,
+            "DATE_TIME": pr.DateRecognizer,
+            "UUID": pr.UuidRecognizer,
+            "US_DRIVER_LICENSE": pr.UsLicenseRecognizer,
+            "US_BANK_NUMBER": pr.UsBankRecognizer,
+            "US_PASSPORT": pr.UsPassportRecognizer,
+            "UK_NHS": pr.NhsRecognizer,
+            "MEDICAL_LICENSE": pr.MedicalLicenseRecognizer,
+        }
+        supported = set(presidio) | SECRET_ENTITIES
+        if self._ner_recognizer is not None:
+            supported |= set(NER_ENTITIES)
+        self.supported_entities: tuple[str, ...] = tuple(sorted(supported))
+
+        if cfg.entities is None:
+            wanted = list(DEFAULT_ENTITIES)
+            if self._ner_recognizer is not None:
+                wanted += DEFAULT_NER_ENTITIES
+        else:
+            unknown = sorted(set(cfg.entities) - supported - set(NER_ENTITIES))
+            if unknown:
+                raise ValueError(f"unsupported entities {unknown}; supported: {sorted(supported)}")
+            wanted = [e for e in cfg.entities if e in supported]
+        self.entities: tuple[str, ...] = tuple(dict.fromkeys(wanted))
+
+        self._recognizers = [
+            (entity, presidio[entity](), _PRESIDIO_GATES.get(entity))
+            for entity in self.entities
+            if entity in presidio
+        ]
+        self._secret_rules = [r for r in _SECRET_RULES if r.entity in self.entities]
+        self._secret_gates = {e: g for e, g in _SECRET_GATES.items() if e in self.entities}
+        self._ner_entities = [e for e in self.entities if e in NER_ENTITIES]
+        self._allow = frozenset(cfg.allow_list) | BENIGN_VALUES
+
+    def _load_ner(self, name: str) -> None:
+        import logging
+
+        import spacy
+        from presidio_analyzer.nlp_engine import SpacyNlpEngine
+        from presidio_analyzer.predefined_recognizers import SpacyRecognizer
+
+        if not (spacy.util.is_package(name) or os.path.isdir(name)):
+            # Never download: fall back to the blank pipeline, which finds no names.
+            logging.getLogger(__name__).warning("spaCy model %r is not installed; NER disabled", name)
+            return
+        engine = SpacyNlpEngine(models=[{"lang_code": _LANGUAGE, "model_name": name}])
+        engine.load()
+        self._nlp_engine = engine
+        self._ner_recognizer = SpacyRecognizer(supported_entities=list(NER_ENTITIES))
+
+    # -- detection ---------------------------------------------------------------------------------
+
+    def analyze(self, text: str) -> list[tuple[int, int, str, float]]:
+        """Detections as (start, end, entity, score), overlaps merged, allow-list applied."""
+        if len(text) < 6:  # shorter than anything detectable (`a@b.io`, `hunter2` needs its key)
+            return []
+        found: list[tuple[int, int, str, float]] = []
+        threshold = self.config.score_threshold
+
+        for entity, recognizer, gate in self._recognizers:
+            if gate is not None and gate.search(text) is None:
+                continue
+            for r in recognizer.analyze(text, [entity], None):
+                score = r.score
+                if score < threshold and recognizer.context:
+                    score = self._with_context(text, r.start, score, recognizer.context)
+                if score >= threshold:
+                    found.append((r.start, r.end, r.entity_type, score))
+
+        lowered = text.lower()
+        for entity, (literals, on_lowered) in self._secret_gates.items():
+            haystack = lowered if on_lowered else text
+            if not any(lit in haystack for lit in literals):
+                continue
+            if entity == "HIGH_ENTROPY_SECRET":
+                for m in _KV_SECRET.finditer(text):
+                    span = _kv_span(text, m)
+                    if span:
+                        found.append((span[0], span[1], entity, 0.7))
+                continue
+            for rule in self._secret_rules:
+                if rule.entity != entity:
+                    continue
+                for m in rule.pattern.finditer(text):
+                    if rule.check is None or rule.check(m):
+                        start, end = m.span("s")
+                        while end > start + 1 and text[end - 1] == ".":  # a sentence's full stop
+                            end -= 1
+                        found.append((start, end, entity, rule.score))
+
+        if self._ner_recognizer is not None and self._ner_entities:
+            artifacts = self._nlp_engine.process_text(text, _LANGUAGE)
+            for r in self._ner_recognizer.analyze(text, self._ner_entities, artifacts):
+                if r.score >= threshold:
+                    found.append((r.start, r.end, r.entity_type, r.score))
+
+        if self._allow:
+            found = [f for f in found if text[f[0] : f[1]].strip() not in self._allow]
+        return _merge(found)
+
+    @staticmethod
+    def _with_context(text: str, start: int, score: float, context: list[str]) -> float:
+        # Presidio's default: five words before the match, substring match, +0.35, floor 0.4.
+        words = re.findall(r"[a-z0-9]+", text[max(0, start - 100) : start].lower())[-5:]
+        if any(c in w for c in context for w in words):
+            return min(1.0, max(score + 0.35, 0.4))
+        return score
+
+    # -- replacement -------------------------------------------------------------------------------
+
+    def _replacement(self, entity: str, value: str, tenant: str) -> str:
+        if self.config.style == "placeholder":
+            return f"<{entity}>"
+        digest = hmac.new(_hash_key(self.config.salt, tenant), value.encode(), hashlib.sha256)
+        return f"<{entity}:{digest.hexdigest()[:8]}>"
+
+    def redact_text(self, text: str, tenant: str, *, found: list[tuple[str, str]] | None = None) -> RedactionResult:
+        """Redact one text. With `found`, each removed raw value and its replacement are appended to it
+        (in memory only: the governance token guard needs them to clean token ids; never persist them)."""
+        return self._apply(text, self.analyze(text), tenant, found)
+
+    def _apply(self, text: str, spans: list[tuple[int, int, str, float]], tenant: str,
+               found: list[tuple[str, str]] | None = None) -> RedactionResult:
+        if not spans:
+            return RedactionResult(text, {}, [])
+        out: list[str] = []
+        counts: dict[str, int] = {}
+        pos = 0
+        for start, end, entity, _ in spans:
+            out.append(text[pos:start])
+            out.append(self._replacement(entity, text[start:end], tenant))
+            if found is not None:
+                found.append((text[start:end], out[-1]))
+            counts[entity] = counts.get(entity, 0) + 1
+            pos = end
+        out.append(text[pos:])
+        return RedactionResult("".join(out), counts, [(s, e, t) for s, e, t, _ in spans])
+
+    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None
+                     ) -> tuple[Any, dict[str, int]]:
+        """Redact every string leaf of a JSON-like value (dict values, list items; never keys).
+
+        A string that is itself a JSON object or array (tool call `arguments`, JSON tool results) is
+        parsed, redacted leaf by leaf and serialised again, so it stays valid JSON; it is returned
+        unchanged when nothing in it was found. `found`: as for `redact_text`.
+        """
+        counts: Counter[str] = Counter()
+        return self._walk(value, tenant, counts, None, found), dict(counts)
+
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]:
+        """`(tenant, value)` pairs in, `(redacted value, counts)` out, in order. With `with_values`,
+        `(redacted value, counts, found)` where `found` lists the (raw value, replacement) pairs removed
+        (for the token guard; raw, so keep them in memory only)."""
+        out: list[tuple] = []
+        for tenant, value in items:
+            if not with_values:
+                out.append(self.redact_value(value, tenant))
+                continue
+            found: list[tuple[str, str]] = []
+            body, counts = self.redact_value(value, tenant, found=found)
+            out.append((body, counts, found))
+        return out
+
+    def close(self) -> None:
+        """Nothing to release: the redactor lives in this process."""
+
+    def _walk(self, value: Any, tenant: str, counts: Counter[str], key: str | None,
+              found: list[tuple[str, str]] | None = None) -> Any:
+        if isinstance(value, str):
+            return self._leaf(value, tenant, counts, key, found)
+        if isinstance(value, dict):
+            return {
+                k: self._walk(v, tenant, counts, k if isinstance(k, str) else None, found) for k, v in value.items()
+            }
+        if isinstance(value, (list, tuple)):
+            return [self._walk(v, tenant, counts, key, found) for v in value]
+        return value
+
+    def _leaf(self, text: str, tenant: str, counts: Counter[str], key: str | None,
+              found: list[tuple[str, str]] | None = None) -> str:
+        stripped = text.strip()
+        if len(stripped) >= 2 and stripped[0] in "{[" and stripped[-1] in "}]":
+            try:
+                parsed = json.loads(stripped)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, (dict, list)):
+                inner: Counter[str] = Counter()
+                inner_found: list[tuple[str, str]] = []
+                redacted = self._walk(parsed, tenant, inner, None, inner_found)
+                if not inner:
+                    return text
+                counts.update(inner)
+                if found is not None:
+                    found.extend(inner_found)
+                return json.dumps(redacted, ensure_ascii=False)
+        leaf_found: list[tuple[str, str]] = []
+        result = self.redact_text(text, tenant, found=leaf_found)
+        # The key of a dict leaf is context the text itself lacks: {"api_key": "..."},
+        # {"Authorization": "Bearer ..."}. Used when the value alone showed nothing.
+        if not result.counts and key is not None and self._key_says_secret(key, text):
+            entity = "AUTH_HEADER" if _AUTH_KEY.search(key) else "HIGH_ENTROPY_SECRET"
+            if entity in self.entities and text.strip() not in self._allow:
+                m = _AUTH_VALUE.match(text) if entity == "AUTH_HEADER" else None
+                start = m.start("s") if m else 0
+                counts[entity] += 1
+                replacement = self._replacement(entity, text[start:], tenant)
+                if found is not None:
+                    found.append((text[start:], replacement))
+                return text[:start] + replacement
+        counts.update(result.counts)
+        if found is not None:
+            found.extend(leaf_found)
+        return result.text
+
+    @staticmethod
+    def _key_says_secret(key: str, value: str) -> bool:
+        if _AUTH_KEY.search(key):
+            m = _AUTH_VALUE.match(value)
+            return bool(m) and not _is_reference(m.group("s")) and len(m.group("s")) >= 8
+        if _SECRET_KEY.search(key):
+            return looks_secret(value, key, quoted=True)
+        return False
+
+
+# --------------------------------------------------------------------------------------------------
+# Presidio recognizers adapted for speed and offline use. Defined on first use: Presidio is imported
+# only inside `_without_torch`.
+
+
+_CLASSES: tuple[Any, Any] | None = None
+
+
+def _recognizer_classes() -> tuple[Any, Any]:
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _define_recognizers()
+    return _CLASSES
+
+
+def _define_recognizers() -> tuple[Any, Any]:
+    import phonenumbers
+    import tldextract
+    from presidio_analyzer import EntityRecognizer
+    from presidio_analyzer.predefined_recognizers import EmailRecognizer, PhoneRecognizer
+
+    # The bundled public suffix snapshot, no fetch, no cache directory.
+    extractor = tldextract.TLDExtract(suffix_list_urls=(), cache_dir=None, fallback_to_snapshot=True)
+
+    class OfflineEmailRecognizer(EmailRecognizer):
+        def validate_result(self, pattern_text: str) -> bool:
+            return extractor(pattern_text).fqdn != ""
+
+    class WindowedPhoneRecognizer(PhoneRecognizer):
+        """python-phonenumbers over the whole text costs ~5 ms/KB (eight regions); it only ever
+        matches digit runs, so it is given the runs with a little margin and offsets are shifted back."""
+
+        def analyze(self, text, entities, nlp_artifacts=None):  # type: ignore[override]
+            results = []
+            for ws, we in _phone_windows(text):
+                window = text[ws:we]
+                for region in self.supported_regions:
+                    for match in phonenumbers.PhoneNumberMatcher(window, region, leniency=self.leniency):
+                        result = self._get_recognizer_result(match, window, region, nlp_artifacts)
+                        result.start += ws
+                        result.end += ws
+                        results.append(result)
+            return EntityRecognizer.remove_duplicates(results)
+
+    return OfflineEmailRecognizer, WindowedPhoneRecognizer
+
+
+class TextRedactor(Protocol):
+    """What the writer, replay and the control routes need from a redactor (in-process or pooled)."""
+
+    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None
+                     ) -> tuple[Any, dict[str, int]]: ...
+
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]: ...
+
+    def close(self) -> None: ...
+
+
+class LazyRedactor:
+    """An in-process Redactor built on first use (Presidio takes a second to load)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._r: Redactor | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Redactor:
+        with self._lock:
+            if self._r is None:
+                self._r = Redactor(RedactionConfig(salt=self._secret))
+            return self._r
+
+    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None
+                     ) -> tuple[Any, dict[str, int]]:
+        return self.get().redact_value(value, tenant, found=found)
+
+    def redact_text(self, text: str, tenant: str) -> RedactionResult:
+        return self.get().redact_text(text, tenant)
+
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]:
+        return self.get().redact_many(items, with_values=with_values)
+
+    def close(self) -> None:
+        """Nothing to release: the redactor lives in this process."""

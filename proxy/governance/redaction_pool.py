@@ -1,0 +1,133 @@
+"""Parallel redaction: distinct contents spread across worker processes, each with its own Redactor."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from proxy.governance.redaction import RedactionConfig, Redactor
+
+_worker: Redactor | None = None
+
+
+def _init_worker(config: RedactionConfig) -> None:
+    global _worker
+    _worker = Redactor(config)
+
+
+def _redact_chunk(items: list[tuple[str, Any]], with_values: bool = False) -> list[tuple]:
+    assert _worker is not None
+    return _worker.redact_many(items, with_values=with_values)
+
+
+def _text_size(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_size(v) for v in value)
+    return 0
+
+
+class _Done:
+    def __init__(self, value: list[tuple[Any, dict[str, int]]]) -> None:
+        self._value = value
+
+    def result(self) -> list[tuple[Any, dict[str, int]]]:
+        return self._value
+
+
+class PendingRedaction:
+    """Results of `RedactionPool.submit_many`, in input order once `result()` returns."""
+
+    def __init__(self, chunks: list[list[int]], futures: list[Any]) -> None:
+        self._chunks = chunks
+        self._futures = futures
+
+    def result(self) -> list[tuple[Any, dict[str, int]]]:
+        out: list[Any] = [None] * sum(len(c) for c in self._chunks)
+        for chunk, fut in zip(self._chunks, self._futures, strict=True):
+            for i, res in zip(chunk, fut.result(), strict=True):
+                out[i] = res
+        return out
+
+
+class RedactionPool:
+    """`redact_value` over many distinct contents, spread across worker processes.
+
+    Workers are spawned (not forked: the proxy runs threads and an event loop) and each builds its own
+    `Redactor` from the config once. Batches smaller than `inline_chars` of text are done in the
+    calling process, where shipping them to a worker would cost more than the scan.
+    """
+
+    def __init__(
+        self,
+        config: RedactionConfig | None = None,
+        max_workers: int | None = None,
+        *,
+        inline_chars: int = 2_000,
+        mp_context: str = "spawn",
+    ) -> None:
+        import multiprocessing
+
+        self.config = config or RedactionConfig()
+        self.max_workers = max_workers or os.cpu_count() or 1
+        self.inline_chars = inline_chars
+        self._local: Redactor | None = None
+        self._executor: ProcessPoolExecutor | None = None
+        if self.max_workers > 1:
+            self._executor = ProcessPoolExecutor(
+                max_workers=self.max_workers,
+                mp_context=multiprocessing.get_context(mp_context),
+                initializer=_init_worker,
+                initargs=(self.config,),
+            )
+
+    @property
+    def local(self) -> Redactor:
+        if self._local is None:
+            self._local = Redactor(self.config)
+        return self._local
+
+    def warm_up(self) -> None:
+        """Start every worker now (each imports Presidio, about a second) rather than on first use."""
+        if self._executor is not None:
+            list(self._executor.map(_redact_chunk, [[] for _ in range(self.max_workers)]))
+
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]:
+        """As `Redactor.redact_many`, spread over the workers."""
+        return self.submit_many(items, with_values=with_values).result()
+
+    def submit_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> PendingRedaction:
+        """Like `redact_many` but returns at once; `.result()` waits. Lets a writer hash and queue the
+        next batch while this one is scanned."""
+        if not items:
+            return PendingRedaction([], [])
+        sizes = [_text_size(v) for _, v in items]
+        if self._executor is None or len(items) == 1 or sum(sizes) < self.inline_chars:
+            done = self.local.redact_many(items, with_values=with_values)
+            return PendingRedaction([list(range(len(items)))], [_Done(done)])
+        # Balance by text size, not item count: one 40 KB tool result must not sit with ten others.
+        n = min(self.max_workers * 2, len(items))
+        chunks: list[list[int]] = [[] for _ in range(n)]
+        loads = [0] * n
+        for i in sorted(range(len(items)), key=lambda i: -sizes[i]):
+            j = loads.index(min(loads))
+            chunks[j].append(i)
+            loads[j] += sizes[i] + 200  # per-item overhead
+        chunks = [c for c in chunks if c]
+        futures = [self._executor.submit(_redact_chunk, [items[i] for i in c], with_values) for c in chunks]
+        return PendingRedaction(chunks, futures)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> RedactionPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,361 @@
+"""What counts as PII or a secret: entity names, the secret rules Presidio lacks, cheap gates that say
+whether a recognizer can match at all, and how overlapping detections merge. Pure (regexes only)."""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+SECRET_ENTITIES: frozenset[str] = frozenset(
+    {
+        "API_KEY",
+        "AWS_ACCESS_KEY",
+        "GITHUB_TOKEN",
+        "GITLAB_TOKEN",
+        "JWT",
+        "PRIVATE_KEY",
+        "URL_CREDENTIALS",
+        "AUTH_HEADER",
+        "HIGH_ENTROPY_SECRET",
+    }
+)
+
+
+PII_ENTITIES: tuple[str, ...] = (
+    "EMAIL_ADDRESS",
+    "PHONE_NUMBER",
+    "CREDIT_CARD",
+    "IP_ADDRESS",
+    "IBAN_CODE",
+    "US_SSN",
+    "US_ITIN",
+    "CRYPTO",
+    "MAC_ADDRESS",
+)
+
+
+# Only produced when an NER model is configured (a blank pipeline finds no names).
+NER_ENTITIES: tuple[str, ...] = ("PERSON", "LOCATION", "NRP", "ORGANIZATION")
+
+
+DEFAULT_NER_ENTITIES: tuple[str, ...] = ("PERSON", "LOCATION")
+
+
+# Detectable, but off unless named: agent traffic is full of URLs, dates, UUIDs and long digit runs,
+# and these recognizers would mangle them (URL) or need context words to be right (the rest).
+OPT_IN_ENTITIES: tuple[str, ...] = (
+    "URL",
+    "DATE_TIME",
+    "UUID",
+    "US_DRIVER_LICENSE",
+    "US_BANK_NUMBER",
+    "US_PASSPORT",
+    "UK_NHS",
+    "MEDICAL_LICENSE",
+)
+
+
+DEFAULT_ENTITIES: tuple[str, ...] = PII_ENTITIES + tuple(sorted(SECRET_ENTITIES))
+
+
+# Values that look like PII to a pattern but carry none; they stay as they are.
+BENIGN_VALUES: frozenset[str] = frozenset(
+    {
+        "127.0.0.1",
+        "0.0.0.0",
+        "255.255.255.255",
+        "255.255.255.0",
+        "::",
+        "::1",
+        "git@github.com",
+        "git@gitlab.com",
+        "git@bitbucket.org",
+        "noreply@github.com",
+        "noreply@anthropic.com",
+    }
+)
+
+
+def shannon_entropy(value: str) -> float:
+    """Bits per character of `value`'s own character distribution."""
+    if not value:
+        return 0.0
+    n = len(value)
+    return -sum(c / n * math.log2(c / n) for c in Counter(value).values())
+
+
+@dataclass(frozen=True)
+class _Rule:
+    entity: str
+    pattern: re.Pattern[str]
+    score: float
+    check: Callable[[re.Match[str]], bool] | None = None  # for values a regex alone cannot judge
+
+
+_PLACEHOLDER_WORDS = frozenset(
+    {
+        "none", "null", "nil", "true", "false", "undefined", "required", "optional", "string", "str",
+        "bytes", "int", "password", "passwd", "secret", "token", "redacted", "hidden", "masked",
+        "example", "placeholder", "your_password", "your_token", "your_api_key", "your-api-key",
+    }
+)  # fmt: skip
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z_.]*")  # code such as `password = self.password`
+
+
+_PASSWORD_KEY = re.compile(r"(?i)(?:password|passwd|passphrase|pwd|pass)$")
+
+
+def _is_reference(value: str) -> bool:
+    """Env references, templates, masks and our own placeholders are not secrets."""
+    if value.startswith(("$2a$", "$2b$", "$2y$")):  # bcrypt hashes are worth hiding
+        return False
+    if value.startswith(("$", "%(", "{{", "<", "#{", "process.env", "os.environ", "getenv")):
+        return True
+    if len(set(value)) <= 2:  # ****, xxxx, ....
+        return True
+    lowered = value.lower()
+    return lowered in _PLACEHOLDER_WORDS or lowered.startswith(("your_", "your-", "<your"))
+
+
+def looks_secret(value: str, key: str, *, quoted: bool, env_line: bool = False) -> bool:
+    """Is `value`, found under `key` in a key/value context, a credential?
+
+    Passwords are short and low-entropy, so under a password-like key any value goes unless it reads as
+    code (a bare identifier). Under token/secret/api-key keys the value must look random: long enough,
+    letters with digits or symbols, and Shannon entropy of at least 3 bits per character.
+    """
+    value = value.strip()
+    if len(value) < 4 or _is_reference(value):
+        return False
+    key = key.strip("\"' ").lower()
+    if _PASSWORD_KEY.search(key):
+        return quoted or env_line or not _IDENTIFIER.fullmatch(value)
+    if len(value) < 8 or not any(c.isalpha() for c in value):
+        return False
+    has_digit = any(c.isdigit() for c in value)
+    has_symbol = any(not c.isalnum() for c in value)
+    if not has_digit:
+        # Random 20+ character secrets almost always hold a digit; without one, ask for more evidence
+        # so that names such as `db-credentials` or `my_secret_name` stay.
+        mixed_case = any(c.islower() for c in value) and any(c.isupper() for c in value)
+        return len(value) >= 20 and mixed_case and shannon_entropy(value) >= 4.0
+    if len(value) < 12:
+        return shannon_entropy(value) >= 2.5
+    return shannon_entropy(value) >= 3.0 and (has_digit or has_symbol)
+
+
+_SECRET_KEY_WORDS = (
+    r"password|passwd|passphrase|pwd|pass|secret|token|api[_-]?key|apikey|access[_-]?key|"
+    r"secret[_-]?key|private[_-]?key|client[_-]?secret|credentials?|auth[_-]?token|session[_-]?key|"
+    r"signing[_-]?key|encryption[_-]?key|master[_-]?key"
+)
+
+
+# A key must *end* with one of the words (`max_tokens`, `tokenizer`, `TOKEN_URL` do not).
+_SECRET_KEY = re.compile(rf"(?i)(?:^|[^A-Za-z0-9]|(?<=[a-z])(?=[A-Z]))(?:{_SECRET_KEY_WORDS})$")
+
+
+# Anchored on the key word (an alternation of literals is cheap to scan for); the key's own start is
+# checked in Python: `DB_PASSWORD`, `client.secret` and camelCase `accessToken` count, `bypass` not.
+_KV_SECRET = re.compile(
+    rf"""(?ix)
+    (?:{_SECRET_KEY_WORDS})
+    ["']?\s*(?::=|=>|[:=])\s*
+    (?:"(?P<dq>[^"\n]{{4,400}})"|'(?P<sq>[^'\n]{{4,400}})'|(?P<bare>[^\s"',;(){{}}\[\]<>]{{4,400}}))
+    """
+)
+
+
+_KEY_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
+
+
+_ENV_LINE_START = re.compile(r"(?:^|\n)[ \t]*(?:export[ \t]+)?\Z")
+
+
+def _kv_span(text: str, m: re.Match[str]) -> tuple[int, int] | None:
+    start = m.start()
+    if start > 0:
+        prev = text[start - 1]
+        if prev.isalnum() and not (prev.islower() and text[start].isupper()):
+            return None
+    key_start = start
+    while key_start > 0 and text[key_start - 1] in _KEY_CHARS:
+        key_start -= 1
+    group = "dq" if m.group("dq") is not None else "sq" if m.group("sq") is not None else "bare"
+    keyword = _KV_KEYWORD.match(text, start)
+    assert keyword is not None
+    # `DB_PASSWORD=correcthorse` at the start of a line is config (.env), not code: trust it.
+    env_line = (
+        group == "bare"
+        and text[keyword.end() : m.start(group)] == "="
+        and _ENV_LINE_START.search(text[max(0, key_start - 40) : key_start]) is not None
+    )
+    value = m.group(group)
+    if group == "bare":
+        value = value.rstrip(".")  # a sentence's full stop, not part of the value
+    if not looks_secret(value, keyword.group(), quoted=group != "bare", env_line=env_line):
+        return None
+    return m.start(group), m.start(group) + len(value)
+
+
+_KV_KEYWORD = re.compile(rf"(?i)(?:{_SECRET_KEY_WORDS})")
+
+
+def _c(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    return re.compile(pattern, flags)
+
+
+_TOKEN_CHARS = r"[A-Za-z0-9_\-]"
+
+
+_SECRET_RULES: tuple[_Rule, ...] = (
+    # Provider API keys: OpenAI (sk-, sk-proj-, sk-svcacct-), Anthropic (sk-ant-), Stripe, Slack,
+    # Google, Hugging Face, Groq, xAI, Replicate, npm, PyPI, SendGrid, DigitalOcean, Shopify.
+    _Rule("API_KEY", _c(rf"(?<![A-Za-z0-9])(?P<s>sk-(?:ant-|proj-|svcacct-|admin-|or-v1-)?{_TOKEN_CHARS}{{20,}})"), 0.95,
+          lambda m: any(c.isdigit() for c in m.group("s"))),
+    _Rule("API_KEY", _c(r"(?<![A-Za-z0-9])(?P<s>(?:sk|rk|pk)_(?:live|test)_[0-9A-Za-z]{16,})"), 0.95),
+    _Rule("API_KEY", _c(r"(?<![A-Za-z0-9])(?P<s>xox[abposr]-[0-9A-Za-z\-]{10,})"), 0.95),
+    _Rule("API_KEY", _c(r"(?<![A-Za-z0-9])(?P<s>AIza[0-9A-Za-z_\-]{35})"), 0.95),
+    _Rule("API_KEY", _c(r"(?<![A-Za-z0-9])(?P<s>hf_[A-Za-z0-9]{30,})"), 0.9),
+    _Rule("API_KEY", _c(r"(?<![A-Za-z0-9])(?P<s>(?:gsk|xai|r8|npm|dop_v1|shpat|shpss)[_-][A-Za-z0-9]{30,})"), 0.9),
+    _Rule("API_KEY", _c(r"(?<![A-Za-z0-9])(?P<s>pypi-AgE[A-Za-z0-9_\-]{50,})"), 0.95),
+    _Rule("API_KEY", _c(r"(?<![A-Za-z0-9])(?P<s>SG\.[A-Za-z0-9_\-]{16,}\.[A-Za-z0-9_\-]{16,})"), 0.95),
+    # AWS: access key ids by prefix; secret access keys by their key name (40 base64-ish chars).
+    _Rule("AWS_ACCESS_KEY", _c(r"(?<![A-Z0-9])(?P<s>(?:AKIA|ASIA|AGPA|AIDA|AROA|AIPA|ANPA|ANVA|ABIA|ACCA)[A-Z0-9]{16})(?![A-Z0-9])"), 0.95),
+    _Rule("AWS_ACCESS_KEY", _c(r"""(?i)aws_?secret_?(?:access_?)?key["']?\s*[:=]\s*["']?(?P<s>[A-Za-z0-9/+=]{40})(?![A-Za-z0-9/+=])"""), 0.95),
+    _Rule("GITHUB_TOKEN", _c(r"(?<![A-Za-z0-9])(?P<s>(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{30,255})"), 0.95),
+    _Rule("GITHUB_TOKEN", _c(r"(?<![A-Za-z0-9])(?P<s>github_pat_[A-Za-z0-9_]{40,255})"), 0.95),
+    _Rule("GITLAB_TOKEN", _c(r"(?<![A-Za-z0-9])(?P<s>(?:glpat|gldt|glrt|glptt|glsoat|gloas)-[A-Za-z0-9_\-]{20,})"), 0.95),
+    _Rule("JWT", _c(r"(?<![A-Za-z0-9_\-])(?P<s>eyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]*)"), 0.95),
+    # PEM private keys, multi-line; also JSON-escaped (`\n`) and truncated ones (no END line).
+    _Rule("PRIVATE_KEY", _c(
+        r"(?P<s>-----BEGIN[A-Z0-9 ]{0,30} PRIVATE KEY(?: BLOCK)?-----"
+        r"(?:[\s\S]{0,20000}?-----END[A-Z0-9 ]{0,30} PRIVATE KEY(?: BLOCK)?-----|[A-Za-z0-9+/=\s\\:\-,]*))"), 1.0),
+    # scheme://user:password@host (postgres, mysql, redis, amqp, mongodb, https ...): the password.
+    _Rule("URL_CREDENTIALS", _c(r"(?i)\b[a-z][a-z0-9+.\-]{1,20}://[^\s:/@'\"<>]*:(?P<s>[^\s/'\"<>]+)@[A-Za-z0-9\[]"), 0.95,
+          lambda m: not _is_reference(m.group("s"))),
+    # key=value connection strings (ADO.NET, JDBC properties, libpq): Password=...;
+    _Rule("URL_CREDENTIALS", _c(
+        r"(?i)(?:server|host|data source|database|initial catalog|user id|uid|username)\s*=[^;\n]*;"
+        r"(?:[^;\n]*;)*?\s*(?:password|pwd)\s*=\s*(?P<s>[^;\n'\"]{1,200})"), 0.9,
+          lambda m: not _is_reference(m.group("s").strip())),
+    _Rule("AUTH_HEADER", _c(
+        r"(?i)\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?(?:bearer|basic|token|digest|bot|apikey|sso-key)\s+"
+        r"(?P<s>[A-Za-z0-9._~+/=\-:]{8,})"), 0.95, lambda m: not _is_reference(m.group("s"))),
+    _Rule("AUTH_HEADER", _c(
+        r"(?i)\b(?:x-api-key|api-key|x-auth-token|x-goog-api-key|x-access-token|private-token|x-gitlab-token)"
+        r"[\"']?\s*[:=]\s*[\"']?(?P<s>[A-Za-z0-9._~+/=\-]{8,})"), 0.95, lambda m: not _is_reference(m.group("s"))),
+    _Rule("AUTH_HEADER", _c(r"(?i)(?:^|\n)\s*(?:set-)?cookie\s*:\s*(?P<s>[^\r\n]{8,})"), 0.9),
+    _Rule("AUTH_HEADER", _c(r"(?<![A-Za-z])Bearer\s+(?P<s>[A-Za-z0-9._~+/=\-]{20,})"), 0.8,
+          lambda m: not _is_reference(m.group("s")) and any(c.isdigit() for c in m.group("s"))),
+)  # fmt: skip
+
+
+# Cheap gates: a rule family runs only when one of its literals occurs (most texts hold no secret).
+# Substring tests run at memchr speed; case-insensitive ones are checked against `text.lower()`.
+_SECRET_GATES: dict[str, tuple[tuple[str, ...], bool]] = {  # entity -> (literals, on lowered text)
+    "API_KEY": (("sk-", "_live_", "_test_", "xox", "AIza", "hf_", "gsk_", "xai-", "r8_", "npm_", "dop_v1", "shp", "pypi-", "SG."), False),
+    "AWS_ACCESS_KEY": (("akia", "asia", "agpa", "aida", "aroa", "aipa", "anpa", "anva", "abia", "acca", "secret"), True),
+    "GITHUB_TOKEN": (("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"), False),
+    "GITLAB_TOKEN": (("glpat-", "gldt-", "glrt-", "glptt-", "glsoat-", "gloas-"), False),
+    "JWT": (("eyJ",), False),
+    "PRIVATE_KEY": (("PRIVATE KEY",), False),
+    "URL_CREDENTIALS": (("://", "password", "pwd"), True),
+    "AUTH_HEADER": (("authorization", "api-key", "auth-token", "access-token", "private-token", "gitlab-token", "cookie", "bearer"), True),
+    "HIGH_ENTROPY_SECRET": (("pass", "pwd", "secret", "token", "key", "credential"), True),
+}  # fmt: skip
+
+
+def _phone_windows(text: str) -> Iterator[tuple[int, int]]:
+    """Short windows around digit runs that could be phone numbers (>= 7 digits)."""
+    last_end = -1
+    start = end = -1
+    for m in _PHONE_CANDIDATE.finditer(text):
+        candidate = m.group()
+        if sum(c.isdigit() for c in candidate) < 7 or _DATE.fullmatch(candidate.strip()):
+            continue  # logs are full of ISO dates; no region parses them as phone numbers
+        if candidate.isdigit() and (_word_at(text, m.start() - 1) or _word_at(text, m.end())):
+            # Digits glued to letters (hex ids: phonenumbers at leniency VALID rejects these too) or
+            # to an identifier (`call_104640775`, `req_2125551234`) are ids, not phone numbers.
+            continue
+        s, e = max(0, m.start() - 4), min(len(text), m.end() + 4)
+        if s <= last_end:  # merge neighbours so a number is never cut in two
+            end = e
+        else:
+            if start >= 0:
+                yield start, end
+            start, end = s, e
+        last_end = end
+    if start >= 0:
+        yield start, end
+
+
+def _word_at(text: str, i: int) -> bool:
+    return 0 <= i < len(text) and (text[i] == "_" or (text[i].isascii() and text[i].isalpha()))
+
+
+_PHONE_CANDIDATE = _c(r"[+(]?\d[\d \t().\-/]{5,}\d")
+
+
+_DATE = _c(r"\d{4}([-/.])\d{1,2}\1\d{1,2}|\d{1,2}([-/.])\d{1,2}\2\d{4}")
+
+
+# Gates for Presidio's pattern recognizers (entity -> regex that must match somewhere first).
+_PRESIDIO_GATES: dict[str, re.Pattern[str]] = {
+    "EMAIL_ADDRESS": _c(r"\w@\w"),
+    "CREDIT_CARD": _c(r"\d{4}[ -]?\d{3,4}[ -]?\d{3,4}[ -]?\d{3,5}"),
+    "IP_ADDRESS": _c(r"\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|::|(?:[0-9A-Fa-f]{1,4}:){4}"),
+    "IBAN_CODE": _c(r"[A-Z]{2}\d{2}[ ]?[A-Z0-9]{4}"),
+    "US_SSN": _c(r"\d{3}[- .]?\d{2}[- .]?\d{4}"),
+    "US_ITIN": _c(r"9\d{2}[- ]?[5-9]\d[- ]?\d{4}"),
+    "CRYPTO": _c(r"(?:bc1|[13])[a-zA-HJ-NP-Z0-9]{25}"),
+    "MAC_ADDRESS": _c(r"[0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}|[0-9A-Fa-f]{4}\.[0-9A-Fa-f]{4}\."),
+    "URL": _c(r"[A-Za-z0-9]\.[A-Za-z]{2}"),
+    "UUID": _c(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-"),
+    "US_DRIVER_LICENSE": _c(r"\d{5}"),
+    "US_BANK_NUMBER": _c(r"\d{8}"),
+    "US_PASSPORT": _c(r"\d{8}"),
+    "UK_NHS": _c(r"\d{3}[ -]?\d{3}[ -]?\d{4}"),
+    "MEDICAL_LICENSE": _c(r"[A-Za-z]{2}\d{7}"),
+    "DATE_TIME": _c(r"\d"),
+}
+
+
+_AUTH_KEY = re.compile(
+    r"(?i)^(?:(?:proxy-)?authorization|x-api-key|api-key|x-auth-token|x-goog-api-key|x-access-token|"
+    r"private-token|x-gitlab-token|cookie|set-cookie)$"
+)
+
+
+_AUTH_VALUE = re.compile(r"(?i)\s*(?:(?:bearer|basic|token|digest|bot|apikey)\s+)?(?P<s>\S[\s\S]*)")
+
+
+def _merge(found: list[tuple[int, int, str, float]]) -> list[tuple[int, int, str, float]]:
+    """Overlapping detections become one span (no detected character may survive), labelled by the
+    strongest member: highest score, then longest."""
+    if not found:
+        return []
+    # An address after `user:password@` is the URL's host, not a mailbox: the URL rule owns it.
+    creds = [(s, e) for s, e, t, _ in found if t == "URL_CREDENTIALS"]
+    if creds:
+        found = [f for f in found if f[2] != "EMAIL_ADDRESS" or not any(s <= f[0] < e for s, e in creds)]
+    found.sort(key=lambda f: (f[0], -f[1]))
+    merged: list[tuple[int, int, str, float]] = []
+    best: tuple[int, int, str, float] | None = None
+    for f in found:
+        if merged and f[0] < merged[-1][1]:
+            s, e, t, sc = merged[-1]
+            assert best is not None
+            if (f[3], f[1] - f[0]) > (best[3], best[1] - best[0]):
+                best = f
+            merged[-1] = (s, max(e, f[1]), best[2], best[3])
+        else:
+            merged.append(f)
+            best = f
+    return merged

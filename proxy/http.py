@@ -1,0 +1,101 @@
+"""Request plumbing every route uses: the route record, JSON in and out, database calls off the loop,
+and `door` (authenticate, read the body, bind the call)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.orm import Session
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy import call as calls
+from proxy.auth import Principal
+from proxy.errors import ApiError
+from proxy.state import AppState
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+# A door's handler: (request, parsed body, call_begin) -> response; call_begin binds session and principal.
+CallBegin = Callable[..., calls.Call]
+Handler = Callable[[Request, Any, CallBegin], Awaitable[Response]]
+T = TypeVar("T")
+
+SESSION_PREFIXES = ("", "/s/{session_id}")  # /s/{id}/v1/... for clients that can only change the base URL
+DB_UNAVAILABLE = "the database is unavailable; try again shortly"
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    endpoint: Endpoint
+    methods: tuple[str, ...]
+
+
+def model_routes(path: str, endpoint: Endpoint, methods: tuple[str, ...] = ("POST",)) -> list[Route]:
+    """A model-traffic route, plain and under the `/s/{session_id}` prefix."""
+    return [Route(prefix + path, endpoint, methods) for prefix in SESSION_PREFIXES]
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body over the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body over the {limit}-byte limit")
+        chunks.append(chunk)
+    try:
+        return orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+
+
+async def run_db(state: AppState, fn: Callable[[Session], T]) -> T:
+    """Run `fn(session)` in a worker thread, in one transaction; database trouble becomes a 503."""
+    factory = state.factory
+    if factory is None:
+        raise ApiError(503, DB_UNAVAILABLE)
+
+    def work() -> T:
+        with factory() as s, s.begin():
+            return fn(s)
+
+    try:
+        return await asyncio.to_thread(work)
+    except (OperationalError, InterfaceError):
+        raise ApiError(503, DB_UNAVAILABLE) from None
+
+
+def scope_tenant(request: Request, principal: Principal) -> str | None:
+    """The tenant a call may see: its own; for the admin key, the one it names (None = all)."""
+    if principal.is_admin:
+        return request.query_params.get("tenant") or request.headers.get("x-atdp-tenant") or None
+    return principal.tenant
+
+
+def door(state: AppState, handler: Handler) -> Endpoint:
+    """Wrap a model-traffic handler: authenticate, read the JSON body, bind call_begin."""
+
+    async def endpoint(request: Request) -> Response:
+        principal = await state.authenticate(request)
+        body = await read_json(request, state.settings.max_body_bytes)
+        path_session = request.path_params.get("session_id")
+
+        def call_begin(api: str, b: dict[str, Any], messages: list[Any], **kw: Any) -> calls.Call:
+            return calls.begin(state, request, principal, api=api, body=b, messages=messages,
+                               path_session=path_session, **kw)
+
+        return await handler(request, body, call_begin)
+
+    return endpoint

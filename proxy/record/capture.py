@@ -1,0 +1,166 @@
+"""Capture: what one model call did, assembled from vLLM's raw chat-completion output.
+
+`ChatCapture` reads vLLM's chunks (or its one JSON answer; both through `proxy.translate.chunks`, the
+reader the translated streams share) as they pass through the proxy and keeps
+the prompt token ids, output token ids, their logprobs and token strings, the assistant text,
+reasoning and tool calls, the finish reason and usage. Nothing is ever re-tokenized here.
+`CapturedStep` is the raw record of the call; it lives only in memory until redaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from proxy.translate.chunks import Chunk, read_chunk, read_completion
+
+
+@dataclass
+class ToolCallOut:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class ChatCapture:
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_tokens_text: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, ToolCallOut] = field(default_factory=dict)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    usage: dict[str, Any] | None = None
+    response_id: str | None = None
+    model: str | None = None
+
+    def feed(self, part: Chunk) -> None:
+        """What one chunk (`read_chunk`) or a whole completion (`read_completion`) adds."""
+        if self.response_id is None:
+            self.response_id, self.model = part.id, part.model
+        if part.prompt_token_ids:
+            self.prompt_token_ids = part.prompt_token_ids
+        if part.usage:
+            self.usage = part.usage
+        if not part.has_choice:
+            return
+        self.output_token_ids.extend(part.token_ids)
+        for item in part.logprobs:
+            self.output_logprobs.append(float(item.get("logprob", 0.0)))
+            self.output_tokens_text.append(item.get("token", ""))
+        if part.content:
+            self.text.append(part.content)
+        if part.reasoning:
+            self.reasoning.append(part.reasoning)
+        for tc in part.tool_calls:
+            idx = tc.get("index", 0)
+            fn = tc.get("function") or {}
+            cur = self.tool_calls.get(idx)
+            if cur is None:
+                cur = self.tool_calls[idx] = ToolCallOut(id=tc.get("id") or "", name=fn.get("name") or "")
+            else:
+                cur.id = cur.id or tc.get("id") or ""
+                cur.name = cur.name or fn.get("name") or ""
+            if fn.get("arguments"):
+                cur.arguments += fn["arguments"]
+        if part.finish_reason:
+            self.finish_reason, self.stop_reason = part.finish_reason, part.stop_reason
+
+    def feed_chunk(self, chunk: dict[str, Any]) -> None:
+        """One streamed `chat.completion.chunk` (only choice 0 is captured: n=1)."""
+        self.feed(read_chunk(chunk))
+
+    def feed_response(self, resp: dict[str, Any]) -> None:
+        """A non-streamed `chat.completion`."""
+        self.response_id = None
+        self.feed(read_completion(resp))
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.text)
+
+    def assistant_message(self) -> dict[str, Any]:
+        """The assistant turn as an OpenAI chat message (what a client echoes back next turn)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.output_text or None}
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+                for _, tc in sorted(self.tool_calls.items())
+            ]
+        return msg
+
+    def action(self, native_output: Any, tool_names: dict[str, str] | None = None) -> dict[str, Any]:
+        names = tool_names or {}
+        return {
+            "text": self.output_text or None,
+            "reasoning": "".join(self.reasoning) or None,
+            "tool_calls": [
+                {"id": tc.id, "name": names.get(tc.name, tc.name), "arguments": tc.arguments}
+                for _, tc in sorted(self.tool_calls.items())
+            ],
+            "output": native_output,
+        }
+
+
+@dataclass
+class ToolResultIn:
+    call_id: str
+    content: Any
+    is_error: bool = False
+
+
+@dataclass
+class SessionRef:
+    tenant: str
+    external_id: str
+    source: str  # header | path | claude-code | codex | anthropic-metadata | continuation | new
+    client: str | None = None
+    task_id: str | None = None
+
+
+@dataclass
+class CapturedStep:
+    step_id: str
+    session: SessionRef
+    api: str
+    started_at: datetime
+    parent_step_id: str | None
+    history_len: int
+    system: Any | None  # raw system prompt (content-addressed on write)
+    tools: Any | None  # raw tool schema list
+    new_messages: list[Any]  # raw, in the client's API shape
+    tool_results: list[ToolResultIn]
+    params: dict[str, Any]
+    action: dict[str, Any]  # text / reasoning / tool_calls / output (client shape), raw
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    output_tokens_text: list[str]
+    finish_reason: str | None
+    status: str  # ok | error | aborted
+    error: dict[str, Any] | None
+    upstream: str | None
+    model: str | None
+    model_version: str | None
+    ttft_ms: float | None
+    total_ms: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    transcript_hash: str | None
+    client_info: dict[str, Any] = field(default_factory=dict)
+    replay_of: str | None = None
+
+
+SAMPLING_PARAMS = (
+    "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "max_output_tokens", "stop",
+    "stop_sequences", "seed", "presence_penalty", "frequency_penalty", "tool_choice", "parallel_tool_calls",
+    "n", "response_format", "reasoning", "reasoning_effort",
+)
+
+
+def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: body[k] for k in SAMPLING_PARAMS if k in body}

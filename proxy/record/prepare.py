@@ -1,0 +1,286 @@
+"""Captured steps -> step records, safe to persist anywhere: content addressing, redaction of each
+distinct new content once, the token policy for ids that touched redacted text, eligibility.
+
+`Preparer` holds what that needs to remember (which contents are stored, which steps' context was
+redacted, recent token sequences for prefix storage, tenants' policies for a few seconds);
+`step_record` is the pure last step, shared with replay.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from atdp_schema.models import TokenSource
+from proxy.governance.policy import TenantPolicy, decide_eligibility
+from proxy.governance.redaction import TextRedactor
+from proxy.governance.tokens import TokenDecision, TokenGuard
+from proxy.lru import LRU
+from proxy.record.capture import CapturedStep
+from proxy.store import tables as t
+from proxy.store.content import canonical, content_hash
+from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle
+from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
+
+TokenPolicy = Callable[..., TokenDecision]
+
+
+class TokenCache:
+    """Recent steps' full token sequences (prompt + output), bounded by total tokens.
+
+    Lets a step store only the suffix of its prompt after its parent's sequence.
+    """
+
+    def __init__(self, max_tokens: int = 16_000_000) -> None:
+        self._items: OrderedDict[str, array] = OrderedDict()
+        self._total = 0
+        self.max_tokens = max_tokens
+
+    def put(self, step_id: str, ids: list[int]) -> None:
+        a = array("i", ids)
+        self._items[step_id] = a
+        self._total += len(a)
+        while self._total > self.max_tokens and self._items:
+            _, old = self._items.popitem(last=False)
+            self._total -= len(old)
+
+    def get(self, step_id: str | None) -> array | None:
+        return self._items.get(step_id) if step_id else None
+
+    def drop(self, step_id: str) -> None:
+        old = self._items.pop(step_id, None)
+        if old is not None:
+            self._total -= len(old)
+
+
+def retention_until(started_at: datetime, policy: TenantPolicy) -> datetime | None:
+    return started_at + timedelta(days=policy.retention_days) if policy.retention_days else None
+
+
+def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any], contents: list[ContentRow],
+                tool_calls: list[ToolCallRow], tokens: TokenDecision, prefix_len: int, redaction: dict[str, int],
+                eligibility: str, reason: str, retention: datetime | None,
+                message_hashes: list[str] | None = None) -> StepRecord:
+    """The record of one captured call, from what preparing it decided (pure)."""
+    return StepRecord(
+        id=st.step_id, session=session, api=st.api, status=st.status, started_at=st.started_at,
+        parent_step_id=st.parent_step_id, error=st.error, upstream=st.upstream, model=st.model,
+        model_version=st.model_version, system_hash=refs["system"], tools_hash=refs["tools"],
+        history_len=st.history_len, message_hashes=refs["messages"] if message_hashes is None else message_hashes,
+        params=st.params, transcript_hash=st.transcript_hash, output_hash=refs["output"], contents=contents,
+        tool_calls=tool_calls,
+        tool_results=[ToolResultRow(call_id=r.call_id, result_hash=h, is_error=r.is_error) for r, h in refs["results"]],
+        token_source=tokens.source, prompt_prefix_len=prefix_len, prompt_token_ids=tokens.prompt_ids[prefix_len:],
+        output_token_ids=tokens.output_ids, output_logprobs=tokens.logprobs, output_versions=rle(tokens.versions),
+        output_mask=tokens.output_mask, finish_reason=st.finish_reason, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
+        prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, redaction=redaction,
+        eligibility=eligibility, eligibility_reason=reason, retention_until=retention, replay_of=st.replay_of,
+    )
+
+
+def engine_tokens(st: CapturedStep) -> TokenDecision:
+    """The ids exactly as the engine produced them (source `none` when the call produced none)."""
+    has = bool(st.output_token_ids or st.prompt_token_ids)
+    return TokenDecision(TokenSource.engine if has else TokenSource.none, list(st.prompt_token_ids),
+                         list(st.output_token_ids), list(st.output_logprobs),
+                         [st.model_version or "unknown"] * len(st.output_token_ids), None)
+
+
+def dropped_tokens() -> TokenDecision:
+    return TokenDecision(TokenSource.dropped, [], [], [], [], None)
+
+
+class Preparer:
+    def __init__(self, *, secret: bytes, redactor: TextRedactor,
+                 policy_for: Callable[[Session | None, str], TenantPolicy],
+                 database: Callable[[], sessionmaker[Session] | None], token_policy: TokenPolicy | None = None
+                 ) -> None:
+        self.secret = secret
+        self.redactor = redactor
+        self.policy_for = policy_for
+        self.database = database  # the session factory while the database is reachable, else None
+        self.token_policy = token_policy  # governance hook for steps whose tokens touch redacted text
+        self._known: LRU = LRU(500_000)  # (tenant, hash) -> redaction counts of stored content
+        self._context_redacted: LRU = LRU(200_000)  # step id -> its prompt+output touched redacted text
+        self._outputs: LRU = LRU(10_000)  # redacted assistant outputs, for tool-call rows
+        self.tokens = TokenCache()
+        self._policies: dict[str, tuple[float, TenantPolicy]] = {}
+        self._lock = threading.Lock()
+
+    def _policy(self, tenant: str) -> TenantPolicy:
+        hit = self._policies.get(tenant)
+        if hit and hit[0] > time.monotonic():
+            return hit[1]
+        policy = None
+        factory = self.database()
+        if factory is not None:
+            try:
+                with factory() as s:
+                    policy = self.policy_for(s, tenant)
+            except Exception:
+                policy = None
+        if policy is None:
+            policy = hit[1] if hit else self.policy_for(None, tenant)
+        self._policies[tenant] = (time.monotonic() + 10.0, policy)
+        return policy
+
+    def prepare(self, steps: list[CapturedStep]) -> list[StepRecord]:
+        """Redact and shape captured steps into records (safe to persist anywhere)."""
+        with self._lock:
+            return self._prepare(steps)
+
+    def _prepare(self, steps: list[CapturedStep]) -> list[StepRecord]:
+        # 1. Content-address everything and collect the distinct contents not yet redacted.
+        planned: list[tuple[CapturedStep, dict[str, Any]]] = []
+        todo: dict[tuple[str, str], tuple[str, Any]] = {}
+        for st in steps:
+            tenant = st.session.tenant
+            items: dict[str, Any] = {}
+
+            def add(kind: str, value: Any, tenant: str = tenant, items: dict = items) -> str:
+                h = content_hash(self.secret, value)
+                items.setdefault(h, (kind, value))
+                if (tenant, h) not in self._known:
+                    todo.setdefault((tenant, h), (kind, value))
+                return h
+
+            refs = {
+                "system": add("system", st.system) if st.system is not None else None,
+                "tools": add("tools", st.tools) if st.tools else None,
+                "messages": [add("message", m) for m in st.new_messages],
+                "output": add("output", st.action),
+                "results": [(r, add("tool_result", r.content)) for r in st.tool_results],
+                "items": items,
+            }
+            planned.append((st, refs))
+
+        # 2. Redact each distinct new content once (in parallel when a pool is configured).
+        # A token guard (proxy.governance.TokenGuard) also gets the raw values removed, kept in memory
+        # only, so it can find them in token ids.
+        remember = self.token_policy.remember if isinstance(self.token_policy, TokenGuard) else None
+        keys = list(todo)
+        if keys:
+            values = [(tenant, todo[(tenant, h)][1]) for tenant, h in keys]
+            results = self.redactor.redact_many(values, with_values=remember is not None)
+            redacted = {k: r for k, r in zip(keys, results, strict=True)}
+            if remember is not None:
+                for (tenant, h), r in redacted.items():
+                    remember(tenant, h, r[2])
+        else:
+            redacted = {}
+
+        # 3. Records.
+        out: list[StepRecord] = []
+        for st, refs in planned:
+            tenant = st.session.tenant
+            contents: list[ContentRow] = []
+            counts_of: dict[str, dict[str, int]] = {}
+            for h, (kind, value) in refs["items"].items():
+                if (tenant, h) in redacted:
+                    body, counts = redacted[(tenant, h)][:2]
+                    contents.append(ContentRow(hash=h, kind=kind, body=body, size=len(canonical(value)),
+                                               redaction=dict(counts)))
+                    self._known.put((tenant, h), dict(counts))
+                    if kind == "output":
+                        self._outputs.put((tenant, h), body)
+                counts_of[h] = self._known.get((tenant, h), {})
+            out.append(self._record(st, refs, contents, counts_of))
+        return out
+
+    def _record(self, st: CapturedStep, refs: dict, contents: list[ContentRow], counts_of: dict) -> StepRecord:
+        tenant = st.session.tenant
+        policy = self._policy(tenant)
+        new_hashes = [refs["messages"], [refs["system"], refs["tools"]]]
+        input_counts: dict[str, int] = {}
+        for h in [h for group in new_hashes for h in group if h]:
+            for k, v in counts_of.get(h, {}).items():
+                input_counts[k] = input_counts.get(k, 0) + v
+        output_counts = counts_of.get(refs["output"], {})
+        report = dict(input_counts)
+        for k, v in output_counts.items():
+            report[k] = report.get(k, 0) + v
+
+        # Token ids carry the raw text: if the prompt or output touched redacted text, the
+        # governance token policy decides (re-derive, mask, or drop); by default: drop.
+        parent_dirty = self._parent_context_redacted(st.parent_step_id)
+        prompt_dirty = parent_dirty or bool(input_counts)
+        tokens = engine_tokens(st)
+        if tokens.source == TokenSource.engine and (prompt_dirty or output_counts):
+            if self.token_policy is not None:
+                tokens = self.token_policy(st, prompt_dirty=prompt_dirty, output_counts=output_counts,
+                                           parent_dirty=parent_dirty, refs=refs, counts_of=counts_of)
+            else:
+                tokens = dropped_tokens()
+        self._context_redacted.put(st.step_id, prompt_dirty or bool(output_counts))
+
+        # Store the prompt as the suffix after the parent's prompt+output (history stored once).
+        prefix_len = 0
+        parent_seq = self.tokens.get(st.parent_step_id)
+        if tokens.source in TRAINABLE_SOURCES and parent_seq is not None:
+            prefix_len = common_prefix(parent_seq, tokens.prompt_ids)
+        if tokens.source in TRAINABLE_SOURCES:  # cached as stored, so prefixes rebuild exactly
+            self.tokens.put(st.step_id, tokens.prompt_ids + tokens.output_ids)
+
+        eligibility, reason = decide_eligibility(
+            policy, status=st.status, redaction_counts=report, tokens_available=tokens.source in TRAINABLE_SOURCES
+        )
+        return step_record(
+            st, session=SessionInfo(tenant_id=tenant, external_id=st.session.external_id, client=st.session.client,
+                                    client_info=st.client_info, task_id=st.session.task_id),
+            refs=refs, contents=contents,
+            tool_calls=[ToolCallRow(call_id=tc["id"], name=tc["name"], arguments=self._redacted_args(tc, refs, st))
+                        for tc in st.action.get("tool_calls", []) if tc.get("id")],
+            tokens=tokens, prefix_len=prefix_len, redaction=report, eligibility=eligibility, reason=reason,
+            retention=retention_until(st.started_at, policy),
+        )
+
+    def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:
+        """Drop what memory holds of forgotten steps and contents (all of a tenant's when hashes is None),
+        so a deleted content is written again, not assumed stored. Called by proxy.forget's callers."""
+        with self._lock:
+            if content_hashes is None:
+                for key in [k for k in self._known if k[0] == tenant]:
+                    del self._known[key]
+            else:
+                for h in content_hashes:
+                    self._known.pop((tenant, h), None)
+            for sid in step_ids:
+                self._context_redacted.pop(sid, None)
+                self.tokens.drop(sid)
+            self._policies.pop(tenant, None)
+            if isinstance(self.token_policy, TokenGuard):
+                self.token_policy.forget(tenant, content_hashes=content_hashes, step_ids=step_ids)
+
+    def _redacted_args(self, tc: dict, refs: dict, st: CapturedStep) -> Any:
+        """A tool call's arguments as stored: taken from the redacted output content."""
+        body = self._outputs.get((st.session.tenant, refs["output"])) or {}
+        for call in body.get("tool_calls", []):
+            if call.get("id") == tc["id"]:
+                return call.get("arguments")
+        return None
+
+    def _parent_context_redacted(self, parent_id: str | None) -> bool:
+        if not parent_id:
+            return False
+        hit = self._context_redacted.get(parent_id)
+        if hit is not None:
+            return hit
+        factory = self.database()
+        if factory is None:
+            return True  # unknown: assume the worst, never leak through tokens
+        try:
+            with factory() as s:
+                row = s.get(t.Step, parent_id)
+        except Exception:
+            return True
+        if row is None:
+            return True
+        return row.token_source != TokenSource.engine or bool(row.redaction)
+

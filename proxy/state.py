@@ -1,0 +1,96 @@
+"""The proxy's state: what every route and the lifecycle share, typed, built once by `create_app`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import httpx
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.requests import Request
+
+from proxy import telemetry
+from proxy.auth import Principal, active_keys, hash_key, key_from_headers, lookup_key_hash
+from proxy.config import Settings
+from proxy.errors import ApiError
+from proxy.governance.policies import Policies
+from proxy.governance.redaction import TextRedactor
+from proxy.record.recorder import Recorder
+from proxy.record.writer_process import WriterProcess
+from proxy.sessions import ContinuationIndex
+from proxy.upstream import ReplicaPool
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    policies: Policies
+    pool: ReplicaPool
+    index: ContinuationIndex
+    recorder: Recorder | WriterProcess  # thread mode: in this process; process mode (default): a child
+    redactor: TextRedactor  # for the few texts control routes persist themselves (feedback comments)
+    tracer: telemetry.Tracer
+    factory: sessionmaker[Session] | None = None  # None until the database is reachable
+    engine: Engine | None = None
+    client: httpx.AsyncClient | None = None  # control calls (swaps, model listings); set at start-up
+    http: aiohttp.ClientSession | None = None  # model traffic (the hot path); set at start-up
+    keys: dict[str, Principal] = field(default_factory=dict)  # sha256(key) -> principal
+    misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
+    stopping: threading.Event = field(default_factory=threading.Event)  # set when the app shuts down
+
+    async def authenticate(self, request: Request, *, admin: bool = False) -> Principal:
+        key = key_from_headers(request.headers)
+        s = self.settings
+        if key and s.admin_key and hmac.compare_digest(key.encode(), s.admin_key.encode()):
+            return Principal(tenant=request.headers.get("x-atdp-tenant") or s.default_tenant, key_id="admin",
+                             is_admin=True)
+        if key is None:
+            if s.open_mode and not admin:
+                return Principal(tenant=s.default_tenant, key_id=None)
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                           type="authentication_error", code="invalid_api_key")
+        h = hash_key(key)
+        principal = self.keys.get(h)
+        if principal is None and self.misses.get(h, 0) < time.monotonic():
+            try:
+                principal = await self._lookup(h)
+            except ApiError:
+                if not s.open_mode:
+                    raise
+        if principal is None:
+            if s.open_mode and not admin:  # local use: clients send placeholder keys; they're the default tenant
+                return Principal(tenant=s.default_tenant, key_id=None)
+            raise ApiError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+        if admin and not principal.is_admin:
+            raise ApiError(403, "this route needs the admin key", type="permission_error")
+        return principal
+
+    async def _lookup(self, h: str) -> Principal | None:
+        factory = self.factory
+        if factory is None:
+            raise ApiError(503, "cannot verify the API key: the database is unavailable")
+
+        def query() -> Principal | None:
+            with factory() as ses:
+                return lookup_key_hash(ses, h)
+
+        try:
+            principal = await asyncio.wait_for(asyncio.to_thread(query), 3.0)
+        except Exception:
+            raise ApiError(503, "cannot verify the API key: the database is unavailable") from None
+        if principal is None:
+            self.misses[h] = time.monotonic() + 2.0
+        else:
+            self.keys[h] = principal
+        return principal
+
+    def load_keys(self) -> None:
+        if self.factory is None:
+            return
+        with self.factory() as ses:
+            self.keys = {p_hash: p for p_hash, p in active_keys(ses)}

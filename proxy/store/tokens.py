@@ -1,0 +1,72 @@
+"""Token ids as stored: per-token versions run-length encoded, prompts stored as the suffix after the
+parent's prompt + output (`prompt_prefix_len`), and rebuilt from that prefix chain."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from atdp_schema.models import TokenSource
+from proxy.store import tables as t
+
+# The token sources whose ids are kept and trainable: engine-exact, or re-derived from redacted text.
+TRAINABLE_SOURCES: tuple[str, ...] = (TokenSource.engine, TokenSource.rederived)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids two sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in blocks first: most of a long prompt is a shared prefix.
+    step = 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def rle(values: list[str]) -> list[list[Any]]:
+    """Run-length encode per-token versions: ["a","a","b"] -> [["a", 2], ["b", 1]]."""
+    runs: list[list[Any]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
+def unrle(runs: list[list[Any]]) -> list[str]:
+    return [v for v, n in runs for _ in range(n)]
+
+
+def rebuild_prompt_ids(steps: dict[str, t.Step], fetch: Callable[[str], t.Step | None] | None = None
+                       ) -> dict[str, list[int]]:
+    """Full prompt ids of each step, from stored suffixes plus ancestors' prompt+output ids."""
+    memo: dict[str, list[int]] = {}
+
+    def full(step: t.Step) -> list[int]:
+        if step.id in memo:
+            return memo[step.id]
+        ids = list(step.prompt_token_ids)
+        if step.prompt_prefix_len and step.parent_step_id:
+            parent = steps.get(step.parent_step_id) or (fetch(step.parent_step_id) if fetch else None)
+            if parent is None:
+                raise LookupError(f"step {step.id}: parent {step.parent_step_id} missing, prefix lost")
+            ids = (full(parent) + list(parent.output_token_ids))[: step.prompt_prefix_len] + ids
+        memo[step.id] = ids
+        return ids
+
+    return {sid: full(st) for sid, st in steps.items()}
+
+
+def full_prompt_ids(s: Session, step: t.Step) -> list[int]:
+    """One step's full prompt ids (its ancestors fetched as needed)."""
+    return rebuild_prompt_ids({step.id: step}, fetch=lambda i: s.get(t.Step, i))[step.id]
+
+
+def per_token_versions(st: t.Step) -> list[str]:
+    return unrle(st.output_versions)

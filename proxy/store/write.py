@@ -1,0 +1,234 @@
+"""Writing ATDP records: a batch of redacted step records in one transaction.
+
+A `StepRecord` is what leaves the redaction stage: every text in it is already redacted, so it may
+go to PostgreSQL or, when the database is away, to the spool. It is plain JSON-able data.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import orjson
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from atdp_schema.models import Eligibility
+from proxy.store import tables as t
+
+log = logging.getLogger("atdp.store")
+
+
+@dataclass
+class ContentRow:
+    hash: str
+    kind: str  # message | system | tools | output | text
+    body: Any  # redacted
+    size: int
+    redaction: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ToolCallRow:
+    call_id: str
+    name: str
+    arguments: Any  # redacted
+
+
+@dataclass
+class ToolResultRow:
+    call_id: str
+    result_hash: str | None
+    is_error: bool = False
+
+
+@dataclass
+class SessionInfo:
+    tenant_id: str
+    external_id: str
+    client: str | None = None
+    client_info: dict[str, Any] = field(default_factory=dict)
+    task_id: str | None = None
+    labels: dict[str, Any] = field(default_factory=dict)
+    replay_of: str | None = None  # internal id of the original session
+
+
+@dataclass
+class StepRecord:
+    id: str
+    session: SessionInfo
+    api: str
+    status: str
+    started_at: datetime
+    parent_step_id: str | None = None
+    error: dict[str, Any] | None = None
+    upstream: str | None = None
+    model: str | None = None
+    model_version: str | None = None
+    system_hash: str | None = None
+    tools_hash: str | None = None
+    history_len: int = 0
+    message_hashes: list[str] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    transcript_hash: str | None = None
+    output_hash: str | None = None
+    contents: list[ContentRow] = field(default_factory=list)
+    tool_calls: list[ToolCallRow] = field(default_factory=list)
+    tool_results: list[ToolResultRow] = field(default_factory=list)
+    token_source: str = "none"
+    prompt_prefix_len: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)  # suffix after prompt_prefix_len
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[list[Any]] = field(default_factory=list)  # [[version_id, count], ...]
+    output_mask: list[int] | None = None
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float | None = None
+    redaction: dict[str, int] = field(default_factory=dict)
+    eligibility: str = Eligibility.eligible
+    eligibility_reason: str = ""
+    visibility: str = "tenant"
+    retention_until: datetime | None = None
+    replay_of: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StepRecord:
+        data = dict(data)
+        data["session"] = SessionInfo(**data["session"])
+        data["contents"] = [ContentRow(**c) for c in data.get("contents", [])]
+        data["tool_calls"] = [ToolCallRow(**c) for c in data.get("tool_calls", [])]
+        data["tool_results"] = [ToolResultRow(**c) for c in data.get("tool_results", [])]
+        for key in ("started_at", "retention_until"):
+            if isinstance(data.get(key), str):
+                data[key] = datetime.fromisoformat(data[key])
+        return cls(**data)
+
+
+def pg_safe(value: Any) -> Any:
+    """PostgreSQL text and JSONB cannot hold NUL characters; models can emit them. Store U+FFFD."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {pg_safe(k): pg_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [pg_safe(v) for v in value]
+    return value
+
+
+def _has_nul(value: Any) -> bool:
+    return b"\\u0000" in orjson.dumps(value)
+
+
+def ensure_tenant(s: Session, tenant_id: str) -> None:
+    s.execute(insert(t.Tenant).values(id=tenant_id).on_conflict_do_nothing())
+
+
+def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
+    """Insert a batch of step records (idempotent by step id). Returns how many were new.
+
+    A handful of statements per batch, whatever its size: contents, sessions (upsert + lock),
+    current max seq per session, steps, tool calls, tool-result links. `new_session_id` mints the
+    internal id of a session seen for the first time. `seq` continues each session's numbering in
+    the order the records are given.
+    """
+    if not records:
+        return 0
+    tenants = sorted({r.session.tenant_id for r in records})
+    s.execute(insert(t.Tenant).values([{"id": x} for x in tenants]).on_conflict_do_nothing())
+
+    # Contents (deduplicated across the batch; rows already stored are left alone).
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        for c in r.contents:
+            if (r.session.tenant_id, c.hash) not in rows:
+                body = pg_safe(c.body) if _has_nul(c.body) else c.body
+                rows[(r.session.tenant_id, c.hash)] = {
+                    "tenant_id": r.session.tenant_id, "hash": c.hash, "kind": c.kind, "body": body,
+                    "size": c.size, "redaction": c.redaction}
+    if rows:
+        ordered = [rows[k] for k in sorted(rows)]  # stable lock order across concurrent writers
+        for i in range(0, len(ordered), 1000):
+            s.execute(insert(t.Content).values(ordered[i : i + 1000]).on_conflict_do_nothing())
+
+    existing = set(s.scalars(select(t.Step.id).where(t.Step.id.in_([r.id for r in records]))))
+    fresh = [r for r in records if r.id not in existing]
+    if not fresh:
+        return 0
+
+    # Sessions: one upsert for the batch; the row locks serialise seq assignment across writers.
+    first: dict[tuple[str, str], StepRecord] = {}
+    last_at: dict[tuple[str, str], datetime] = {}
+    for r in fresh:
+        key = (r.session.tenant_id, r.session.external_id)
+        first.setdefault(key, r)
+        last_at[key] = max(last_at.get(key, r.started_at), r.started_at)
+    values = [
+        {"id": new_session_id(), "tenant_id": k[0], "external_id": k[1], "client": r.session.client,
+         "client_info": r.session.client_info, "task_id": r.session.task_id, "labels": r.session.labels,
+         "started_at": r.started_at, "last_step_at": last_at[k], "replay_of": r.session.replay_of}
+        for k, r in sorted(first.items())
+    ]
+    ins = insert(t.Session).values(values)
+    upsert = ins.on_conflict_do_update(
+        constraint="uq_sessions_tenant_external",
+        set_={
+            "last_step_at": func.greatest(t.Session.last_step_at, ins.excluded.last_step_at),
+            "task_id": func.coalesce(t.Session.task_id, ins.excluded.task_id),
+            "client": func.coalesce(t.Session.client, ins.excluded.client),
+        },
+    ).returning(t.Session.id, t.Session.tenant_id, t.Session.external_id)
+    sid_of = {(tenant, ext): sid for sid, tenant, ext in s.execute(upsert)}
+    sids = sorted(sid_of.values())
+    s.execute(select(t.Session.id).where(t.Session.id.in_(sids)).order_by(t.Session.id).with_for_update())
+    next_seq = dict.fromkeys(sids, 0)
+    next_seq.update(
+        s.execute(select(t.Step.session_id, func.max(t.Step.seq)).where(t.Step.session_id.in_(sids))
+                  .group_by(t.Step.session_id)).all()
+    )
+
+    step_rows, call_rows, links = [], [], []
+    for r in fresh:
+        sid = sid_of[(r.session.tenant_id, r.session.external_id)]
+        next_seq[sid] += 1
+        step_rows.append({
+            "id": r.id, "session_id": sid, "tenant_id": r.session.tenant_id, "seq": next_seq[sid],
+            "parent_step_id": r.parent_step_id, "api": r.api, "status": r.status,
+            "error": pg_safe(r.error) if r.error and _has_nul(r.error) else r.error,
+            "upstream": r.upstream, "model": r.model, "model_version": r.model_version,
+            "system_hash": r.system_hash, "tools_hash": r.tools_hash, "history_len": r.history_len,
+            "message_hashes": r.message_hashes, "transcript_hash": r.transcript_hash,
+            "params": pg_safe(r.params) if _has_nul(r.params) else r.params,
+            "output_hash": r.output_hash, "token_source": r.token_source, "prompt_prefix_len": r.prompt_prefix_len,
+            "prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
+            "output_logprobs": r.output_logprobs, "output_versions": r.output_versions,
+            "output_mask": r.output_mask, "finish_reason": r.finish_reason, "started_at": r.started_at,
+            "ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens, "cost": r.cost, "redaction": r.redaction,
+            "eligibility": r.eligibility, "eligibility_reason": r.eligibility_reason,
+            "visibility": r.visibility, "retention_until": r.retention_until, "replay_of": r.replay_of,
+        })
+        call_rows += [{"step_id": r.id, "call_id": tc.call_id, "session_id": sid, "tenant_id": r.session.tenant_id,
+                       "name": pg_safe(tc.name), "arguments": pg_safe(tc.arguments)} for tc in r.tool_calls]
+        links += [(sid, r.id, tr) for tr in r.tool_results]
+    s.execute(insert(t.Step), step_rows)
+    if call_rows:
+        s.execute(insert(t.ToolCall).on_conflict_do_nothing(), call_rows)
+    for sid, step_id, tr in links:
+        # Link the result to the call that asked for it (same session; the open call with that id).
+        s.execute(
+            update(t.ToolCall)
+            .where(t.ToolCall.session_id == sid, t.ToolCall.call_id == tr.call_id, t.ToolCall.result_step_id.is_(None))
+            .values(result_step_id=step_id, result_hash=tr.result_hash, is_error=tr.is_error)
+            .execution_options(synchronize_session=False)
+        )
+    return len(fresh)

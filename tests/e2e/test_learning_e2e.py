@@ -1,0 +1,137 @@
+"""It learns: real vLLM (tiny model, CPU), the proxy, PostgreSQL, and `atdp train --once` subprocesses.
+
+A scripted agent sends 64 one-turn sessions per round through the proxy at temperature 1 (seeded).
+The rule rewards a simple behaviour: the fraction of output tokens drawn from a fixed set S, the 16
+token ids the base model emitted most in round 0 (answers of 6 tokens). Rewards go in through the feedback API; after
+each round the trainer runs one update and swaps the new version in (round 2 runs under torchrun
+with 2 ranks). Bar: the mean reward under the last 3 versions beats the base version's by >= 0.1.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.store import db
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN = {"authorization": "Bearer admin-test-key"}
+SESSIONS = 64
+MAX_TOKENS = 6
+ROUNDS = 6  # base + 5 trained versions
+MARGIN = 0.1
+
+
+def _round(proxy, model: str, rnd: int) -> None:
+    """SESSIONS one-turn sessions in parallel, seeded."""
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        sid = f"r{rnd}-s{i}"
+        body = {"model": model, "messages": [{"role": "user", "content": f"Question {i}: say something."}],
+                "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": 1000 * rnd + i}
+        r = httpx.post(proxy.v1 + "/chat/completions", json=body, headers={"x-atdp-session-id": sid}, timeout=120)
+        if r.status_code != 200:
+            errors.append(r.text)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(SESSIONS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:2]
+    proxy.flush()
+
+
+def _train(proxy, home: Path, url: str, engine_url: str, *, ranks: int = 1) -> subprocess.CompletedProcess:
+    # The trainer gets the engine's URL as a deployment gives it (ATDP_UPSTREAM_URL): it probes how
+    # the engine rounds and computes its logprobs the same way (trainer/numerics.py).
+    env = {**os.environ, "ATDP_DATABASE_URL": url, "ATDP_ADMIN_KEY": "admin-test-key", "ATDP_PROXY_URL": proxy.url,
+           "ATDP_UPSTREAM_URL": engine_url, "ATDP_HOME": str(home), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    args = ["-m", "proxy.cli", "train", "--once", "--lr", "3e-3", "--ppo-epochs", "2", "--seed", "0"]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
+    else:
+        cmd = [sys.executable, *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tmp_path):
+    from tests.vllm_fixtures import swap_weights
+
+    url = new_database("atdp_learn")
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    own = db.session_factory(engine)
+    proxy = start_proxy([vllm_server.base_url], database_url=url)
+    assert proxy.versions.ready.wait(60)
+    home = tmp_path / "home"
+    means: list[float] = []
+    versions: list[str] = []
+    subset: set[int] = set()
+    try:
+        for rnd in range(ROUNDS):
+            _round(proxy, vllm_server.model, rnd)
+            mine = [st for st in proxy.steps(own) if _external(own, st.session_id).startswith(f"r{rnd}-")]
+            assert len(mine) == SESSIONS
+            (version,) = {st.model_version for st in mine}
+            versions.append(version)
+            if rnd == 0:
+                counts = collections.Counter(tok for st in mine for tok in st.output_token_ids)
+                subset = {tok for tok, _ in counts.most_common(16)}
+            rewards = []
+            for st in mine:
+                reward = sum(tok in subset for tok in st.output_token_ids) / len(st.output_token_ids)
+                rewards.append(reward)
+                r = httpx.post(f"{proxy.url}/atdp/v1/sessions/{_external(own, st.session_id)}/feedback",
+                               json={"reward": reward}, timeout=10)
+                assert r.status_code == 200, r.text
+            means.append(statistics.fmean(rewards))
+            print(f"round {rnd}: version {version} mean reward {means[-1]:.3f}")
+            if rnd < ROUNDS - 1:
+                proc = _train(proxy, home, url, vllm_server.base_url, ranks=2 if rnd == 2 else 1)
+                print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")
+                assert "engine numerics: bf16" in proc.stderr, proc.stderr[-3000:]  # probed, not plain fp32
+    finally:
+        listing = httpx.get(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
+        base = next(v for v in listing["data"] if v["name"] == "base")
+        back = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": base["checkpoint"], "name": "base"},
+                          headers=ADMIN, timeout=120)
+        if back.status_code != 200:
+            swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
+        engine.dispose()
+
+    assert versions == ["base"] + [f"v{i}" for i in range(1, ROUNDS)]  # each round sampled by the newest version
+    last3 = statistics.fmean(means[-3:])
+    print(f"mean reward: base {means[0]:.3f}, last 3 versions {last3:.3f} ({means})")
+    assert last3 >= means[0] + MARGIN
+    with own() as s:
+        from sqlalchemy import select
+
+        from proxy.store import tables as t
+
+        lineage = s.scalars(select(t.VersionLineage)).all()
+        assert len(lineage) == SESSIONS * (ROUNDS - 1)  # every rewarded step trained exactly one version
+        updates = s.scalars(select(t.TrainingUpdate)).all()
+        assert len(updates) == ROUNDS - 1 and all(u.metrics["swap_status"] == "serving" for u in updates)
+
+
+def _external(factory, session_id: str) -> str:
+    from proxy.store import tables as t
+
+    with factory() as s:
+        return s.get(t.Session, session_id).external_id

@@ -1,0 +1,55 @@
+"""One settings model for every process: the documented variable names, the TOML file, the secret."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from proxy.config import Settings, load_settings, read_settings
+
+
+def test_variables_keep_their_names_and_meanings(tmp_path):
+    s = read_settings({
+        "ATDP_HOME": str(tmp_path), "ATDP_UPSTREAM_URL": "http://a:1/, http://b:2", "ATDP_PORT": "9001",
+        "ATDP_OPEN_MODE": "true", "ATDP_PRODUCTION": "1", "ATDP_POLICY_FILE": str(tmp_path / "p.toml"),
+        "ATDP_WRITER": "THREAD", "ATDP_OTEL_EXPORTER": "Console", "ATDP_MAX_BODY_BYTES": "1024",
+        "ATDP_TRAIN_LR": "3e-6", "ATDP_PROXY_URL": "http://proxy:8700", "ATDP_VLLM_PYTHON": "/x/python",
+    })
+    assert s.home == tmp_path and s.home_given
+    assert s.upstream_urls == ["http://a:1", "http://b:2"]
+    assert (s.port, s.open_mode, s.production, s.policy_file) == (9001, True, True, tmp_path / "p.toml")
+    assert (s.writer_mode, s.otel_exporter, s.max_body_bytes) == ("thread", "console", 1024)
+    assert (s.train_lr, s.proxy_url, s.vllm_python) == (3e-6, "http://proxy:8700", "/x/python")
+
+
+def test_empty_variables_mean_unset_and_defaults_hold():
+    s = read_settings({"ATDP_UPSTREAM_URL": "", "ATDP_PORT": "", "ATDP_DATABASE_URL": ""})
+    assert s.upstream_urls == ["http://127.0.0.1:8000"] and s.port == 8700 and s.database_url is None
+    assert not s.home_given and s.home == Path.home() / ".local" / "share" / "atdp"
+
+
+def test_the_toml_file_mirrors_the_variables_and_the_environment_wins(tmp_path):
+    config = tmp_path / "atdp.toml"
+    config.write_text('upstream_url = "http://toml:1"\nport = 9100\nwriter = "thread"\ndefault_tenant = "t"\n')
+    s = read_settings({"ATDP_CONFIG": str(config), "ATDP_PORT": "9200"})
+    assert s.upstream_urls == ["http://toml:1"] and s.port == 9200 and s.writer_mode == "thread"
+    assert s.default_tenant == "t"
+
+
+def test_bad_values_fail_loudly():
+    with pytest.raises(ValidationError):
+        read_settings({"ATDP_PORT": "eighty"})
+
+
+def test_the_secret_is_created_once_per_home(tmp_path):
+    first = load_settings({"ATDP_HOME": str(tmp_path)}).secret
+    assert first and (tmp_path / "secret").read_bytes().strip() == first
+    assert load_settings({"ATDP_HOME": str(tmp_path)}).secret == first
+    assert load_settings({"ATDP_HOME": str(tmp_path), "ATDP_SECRET": "given"}).secret == b"given"
+
+
+def test_constructed_settings_take_field_names():
+    s = Settings(home=Path("/h"), upstream_urls=["http://x/"], writer_mode="thread", secret=b"s")
+    assert s.upstream_urls == ["http://x"] and s.writer_mode == "thread" and s.spool_dir == Path("/h/spool")
