@@ -186,19 +186,18 @@ def probe(
     engine_url: str,
     *,
     api_key: str | None = None,
-    load: Callable[[Profile], nn.Module] | None = None,
 ) -> ProbeResult:
     """Which profile reproduces the engine's logprobs; the engine must serve `checkpoint`'s weights."""
     from transformers import AutoModelForCausalLM
 
-    def default_load(profile: Profile) -> nn.Module:
+    def load(profile: Profile) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
         return emulate(model, profile).eval()
 
     rows = probe_requests(engine_url, api_key=api_key)
     result = ProbeResult(profile="fp32", tokens=sum(len(r[1]) for r in rows))
     for profile in PROFILES:
-        result.medians[profile] = statistics.median(logprob_gaps((load or default_load)(profile), rows))
+        result.medians[profile] = statistics.median(logprob_gaps(load(profile), rows))
     # An emulation that fits the engine closes the gap by orders of magnitude (0.0000 against 0.02-0.04
     # nats); one that only shaves it says the engine rounds elsewhere, and plain fp32 is the honest choice.
     best = min(PROFILES[1:], key=lambda p: result.medians[p])
