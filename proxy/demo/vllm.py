@@ -189,6 +189,11 @@ class VLLMServer:
                 os.killpg(pgid, signal.SIGKILL)
             _wait_group_gone(pgid, 5.0)  # SIGKILL is not instant: let them exit before returning
 
+    def exit_report(self) -> str | None:
+        """None while the server runs; once it has exited, its exit code and the tail of its log."""
+        code = self._proc.poll() if self._proc is not None else None
+        return None if code is None else self._failure(f"vLLM exited with code {code}")
+
     def _failure(self, what: str) -> str:
         return f"{what}; log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
 

@@ -110,6 +110,9 @@ def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tm
                 print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")
                 assert "engine numerics: bf16" in proc.stderr, proc.stderr[-3000:]  # probed, not plain fp32
     finally:
+        died = vllm_server.server.exit_report()
+        if died:  # say why the engine went away instead of failing on the swap back below
+            pytest.fail(died, pytrace=False)
         listing = httpx.get(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
         base = next(v for v in listing["data"] if v["name"] == "base")
         back = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": base["checkpoint"], "name": "base"},
