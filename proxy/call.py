@@ -128,7 +128,7 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
         except NoReplicaAvailable as e:
             raise ReplicaFailed(str(e), 503) from None
         try:
-            resp = UpstreamResponse(await http.post(replica.url + path, data=content, headers=headers))
+            resp = UpstreamResponse(await _post(http, replica.url + path, content, headers))
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             state.pool.release(lease)
             replica.mark_dead()
@@ -146,6 +146,25 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
         return resp
 
     return await failover(state.pool, call.session.external_id, attempt)
+
+
+async def _post(http: aiohttp.ClientSession, url: str, content: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+    """POST, again on a new connection when a pooled one turned out closed before the request went out.
+
+    The engine closes idle keep-alive connections on its own clock (uvicorn: 5 s); a connection the
+    pool hands out just as the engine closes it fails while the body is written, or with no answer at
+    all. Sending again is safe: no client has seen anything, and an engine that did read the request
+    aborts it when its connection drops. A refused connect is not retried (the replica is down: the
+    caller fails over)."""
+    for tries_left in (2, 1, 0):
+        try:
+            return await http.post(url, data=content, headers=headers)
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            if not tries_left:
+                raise
+    raise AssertionError("unreachable")
 
 
 async def close_upstream(call: Call, resp: UpstreamResponse | None) -> None:

@@ -213,7 +213,9 @@ class UpstreamResponse:
 
 def make_session(timeout_s: float, max_connections: int = 512) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=300, keepalive_timeout=30),
+        # Idle connections go before the engine would close them (uvicorn's keep-alive: 5 s), so the
+        # pool rarely hands out one the engine is closing; call.py resends when it still does.
+        connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=300, keepalive_timeout=3),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s),
         auto_decompress=False,
         trust_env=False,
