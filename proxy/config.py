@@ -75,7 +75,8 @@ class Settings(BaseSettings):
     policy_file: Path | None = None
     secret: bytes = b""  # empty: `load_settings` reads (or creates) home/secret
     # The served model's tokenizer (model folder or tokenizer.json): lets the proxy keep token ids of
-    # steps that touched redacted text, cleaned; without it those ids are dropped.
+    # steps that touched redacted text, cleaned; without one those ids are dropped. Unset: found from
+    # the engine's /v1/models root (a folder on this host, or a hub id in the local cache); "none": off.
     tokenizer: str | None = None
     retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
     # --- the proxy ----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from atdp_schema.models import VersionStatus
 from proxy import telemetry
 from proxy.errors import ApiError
+from proxy.governance.tokens import find_tokenizer
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.ids import new_id
@@ -113,6 +114,20 @@ class Versions:
             except Exception as e:
                 log.warning("could not sync the weight version of %s: %s: %s", replica.url, type(e).__name__, e)
         log.info("serving version %s (%s) on %d replica(s)", ref.name, ref.checkpoint, len(state.pool.replicas))
+        if not state.settings.tokenizer:  # unset (or empty in compose): find it
+            self._find_tokenizer([*roots.values(), ref.checkpoint])
+
+    def _find_tokenizer(self, roots: list[str | None]) -> None:
+        """Trainable by default: with the served model's tokenizer the writer keeps cleaned token ids of
+        steps that touched redacted text instead of dropping them (proxy/governance/tokens.py)."""
+        for root in roots:
+            spec = find_tokenizer(root) if root else None
+            if spec:
+                self.state.recorder.use_tokenizer(spec)
+                log.info("token ids of redacted steps are cleaned with the served model's tokenizer %s", spec)
+                return
+        log.warning("the served model's tokenizer is not on this host (%s): token ids of steps that touched "
+                    "redacted text are dropped; set ATDP_TOKENIZER to its folder to keep them", roots[0])
 
     def _register_base(self, root: str) -> VersionRef:
         state = self.state

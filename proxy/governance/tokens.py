@@ -109,9 +109,29 @@ class HFCodec:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
 
 
+def find_tokenizer(root: str) -> str | None:
+    """The tokenizer.json of the model an engine serves, from the `root` its /v1/models reports: a model
+    folder this host can read (the same path, as on one machine or with a shared volume), or a hub id
+    whose files are in the local Hugging Face cache. None when neither is here: never downloads."""
+    path = Path(root).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.name == "tokenizer.json" and path.is_file():
+        return str(path)
+    if path.is_absolute() or root.count("/") != 1:
+        return None  # a path this host cannot see, or not a hub id
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(root, "tokenizer.json")
+    except Exception:  # a malformed id, an unreadable cache: no tokenizer, ids are dropped as before
+        return None
+    return cached if isinstance(cached, str) else None
+
+
 def load_codec(spec: str | None) -> TokenCodec | None:
     """`ATDP_TOKENIZER`: a model folder or tokenizer.json (the served model's), or `bytes`. None: no codec."""
-    if not spec:
+    if not spec or spec == "none":
         return None
     if spec == "bytes":
         return ByteCodec()

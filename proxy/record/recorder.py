@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from atdp_schema.models import Eligibility, TokenSource
 from proxy.governance.policy import TenantPolicy
 from proxy.governance.redaction import TextRedactor
+from proxy.governance.tokens import TokenGuard, load_codec
 from proxy.record.capture import CapturedStep
 from proxy.record.prepare import Preparer, TokenPolicy
 from proxy.record.spool import Spool
@@ -81,6 +82,10 @@ class Recorder:
         """The database is reachable (now, or again after start-up): write to it from here on."""
         self.factory = factory
         self.db_ok = True
+
+    def use_tokenizer(self, spec: str) -> None:
+        """Keep (cleaned) token ids of redacted steps from here on, with the served model's tokenizer."""
+        self.preparer.token_policy = TokenGuard(load_codec(spec))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Flush what is queued (to the database, or the spool) and stop."""

@@ -114,6 +114,12 @@ class WriterProcess:
             self._local.factory = factory
         self._q.put(("connect", url))
 
+    def use_tokenizer(self, spec: str) -> None:
+        self._q.put(("tokenizer", spec))
+        self.settings = self.settings.model_copy(update={"tokenizer": spec})  # for a later overflow recorder
+        if self._local is not None:
+            self._local.use_tokenizer(spec)
+
     def forget(self, tenant: str, **kw: Any) -> None:
         self._q.put(("forget", tenant, kw))
         if self._local is not None:
@@ -196,6 +202,11 @@ def _child_main(settings: Settings, policies: Policies, q, shared, db_ok, parent
                 rec.connect(item[1], db.session_factory(engine))
             elif item[0] == "forget":
                 rec.forget(item[1], **item[2])
+            elif item[0] == "tokenizer":
+                try:
+                    rec.use_tokenizer(item[1])
+                except Exception as e:  # an unreadable tokenizer: keep dropping ids of redacted steps
+                    log.warning("could not load the tokenizer %s: %s: %s", item[1], type(e).__name__, e)
             continue
         rec.submit(item)
     rec.stop()

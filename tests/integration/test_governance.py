@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from proxy.cli import main as cli_main
-from proxy.governance.tokens import ByteCodec, TokenGuard, load_codec
+from proxy.governance.tokens import ByteCodec, TokenGuard, find_tokenizer, load_codec
 from proxy.store import tables as t
 from proxy.store.tokens import full_prompt_ids
 
@@ -165,10 +165,12 @@ def test_real_tokenizer_codec_matches_the_model(tiny_model_dir):
     assert not guard.still_visible(cleaned, [(EMAIL, "")]) and guard.still_visible(ids, [(EMAIL, "")])
 
 
-def test_real_engine_prompt_ids_are_rederived(start_proxy, vllm_server, factory):
+def test_real_engine_prompt_ids_are_rederived_by_default(start_proxy, vllm_server, factory):
+    """No ATDP_TOKENIZER: the proxy finds the served model's tokenizer from the engine's /v1/models root."""
     from tokenizers import Tokenizer
 
-    proxy = start_proxy([vllm_server.base_url], tokenizer=str(vllm_server.model_dir))
+    proxy = start_proxy([vllm_server.base_url])
+    assert proxy.versions.ready.wait(60)
     r = httpx.post(proxy.v1 + "/chat/completions", headers={"x-atdp-session-id": "real"}, timeout=120, json={
         "model": vllm_server.model, "max_tokens": 8,
         "messages": [{"role": "user", "content": f"Write to {EMAIL} or call {PHONE} today."}]})
@@ -179,6 +181,25 @@ def test_real_engine_prompt_ids_are_rederived(start_proxy, vllm_server, factory)
     prompt = tok.decode(step.prompt_token_ids, skip_special_tokens=False)
     assert EMAIL not in prompt and PHONE not in prompt and "<EMAIL_ADDRESS>" in prompt
     assert "<|im_start|>" in prompt  # the template's special tokens survive as themselves
+
+
+def test_tokenizer_none_turns_the_automatic_tokenizer_off(start_proxy, vllm_server, factory):
+    proxy = start_proxy([vllm_server.base_url], tokenizer="none")
+    assert proxy.versions.ready.wait(60)
+    r = httpx.post(proxy.v1 + "/chat/completions", headers={"x-atdp-session-id": "off"}, timeout=120, json={
+        "model": vllm_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": f"Write to {EMAIL}."}]})
+    assert r.status_code == 200, r.text
+    [(_, step)] = _by_session(proxy, factory)
+    assert step.token_source == "dropped" and step.eligibility == "audit_only"
+
+
+def test_find_tokenizer_looks_only_on_this_host(tiny_model_dir, tmp_path):
+    assert find_tokenizer(str(tiny_model_dir)) == str(tiny_model_dir / "tokenizer.json")
+    assert find_tokenizer(str(tiny_model_dir / "tokenizer.json")) == str(tiny_model_dir / "tokenizer.json")
+    assert find_tokenizer("/models/not-on-this-host") is None
+    assert find_tokenizer(str(tmp_path)) is None  # a folder without a tokenizer
+    assert find_tokenizer("atdp-tests/no-such-model") is None  # a hub id not in the local cache: never downloaded
+    assert find_tokenizer("tiny") is None  # a served name, not a path or a hub id
 
 
 # --- forget -----------------------------------------------------------------------------------------
