@@ -126,6 +126,9 @@ class Settings(BaseSettings):
     train_save_dtype: str = Field("fp32", description="checkpoint dtype (the engine casts to its own)")
     train_engine_numerics: str = Field(
         "auto", description="auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-trunc (trainer/numerics.py)")
+    train_behaviour_logprobs: str = Field(
+        "auto", description="auto: ask the engine; processed: vLLM reports logprobs after temperature/top-p "
+        "(--logprobs-mode processed_logprobs), each step is recomputed with its sampling; raw: temperature 1")
     train_lora_r: int = Field(0, description="LoRA rank (0: full fine-tuning)")
     train_seed: int = Field(0, description="torch seed")
     train_max_updates: int = Field(0, description="stop after this many updates (0: never)")

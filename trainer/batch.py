@@ -36,6 +36,8 @@ from typing import Literal
 
 import torch
 
+from trainer.sampling import PLAIN, Sampling
+
 Mode = Literal["per_step", "concat", "auto"]
 
 
@@ -56,6 +58,7 @@ class StepTokens:
     reward: float  # the session's reward as seen by this step
     version_lag: int  # how many weight versions behind the current one this step's oldest token is
     tenant_id: str = ""  # advantage groups are (tenant, task): task ids are the tenant's own names
+    sampling: Sampling = PLAIN  # the distribution its output tokens were sampled from (trainer/sampling.py)
 
 
 @dataclass
@@ -69,6 +72,8 @@ class Sample:
     step_ids: list[str]
     session_id: str = ""
     weight: float = 1.0  # loss weight of each of its trained tokens (session_weights)
+    # Per token, aligned to input_ids: the sampling that drew it; None: all plain (raw distribution).
+    sampling: list[Sampling] | None = None
 
 
 def group_key(tenant_id: str, task_id: str) -> str:
@@ -124,6 +129,7 @@ def _per_step_sample(step: StepTokens, reward: float) -> Sample:
         group="",
         step_ids=[step.step_id],
         session_id=step.session_id,
+        sampling=None if step.sampling.plain else [PLAIN] * n_prompt + [step.sampling] * len(step.output_ids),
     )
 
 
@@ -134,6 +140,7 @@ def _concat_sample(chain: list[StepTokens], reward: float) -> Sample:
     loss_mask = [0] * len(input_ids)
     logps = [0.0] * len(input_ids)
     exact = [0] * len(input_ids)
+    sampling = None if all(s.sampling.plain for s in chain) else [PLAIN] * len(input_ids)
     for step in chain:
         # Each step's output sits right after its own prompt inside the final sequence.
         start = len(step.prompt_ids)
@@ -141,7 +148,10 @@ def _concat_sample(chain: list[StepTokens], reward: float) -> Sample:
         loss_mask[start : start + len(mask)] = mask
         logps[start : start + len(lps)] = lps
         exact[start : start + len(mask)] = [int(step.prompt_exact)] * len(mask)
-    return Sample(input_ids, loss_mask, logps, exact, reward, "", [s.step_id for s in chain], last.session_id)
+        if sampling is not None:
+            sampling[start : start + len(mask)] = [step.sampling] * len(mask)
+    return Sample(input_ids, loss_mask, logps, exact, reward, "", [s.step_id for s in chain], last.session_id,
+                  sampling=sampling)
 
 
 def _chains(steps: list[StepTokens]) -> list[list[StepTokens]]:
@@ -163,6 +173,7 @@ def _truncate(sample: Sample, max_len: int) -> Sample | None:
             loss_mask=sample.loss_mask[:max_len],
             behaviour_logprobs=sample.behaviour_logprobs[:max_len],
             exact=sample.exact[:max_len],
+            sampling=sample.sampling[:max_len] if sample.sampling is not None else None,
         )
     # Position 0 has no context to be predicted from.
     sample.loss_mask[0] = 0
@@ -281,7 +292,8 @@ def pack(
     input_ids, attention_mask, position_ids, loss_mask (float), behaviour_logprobs (fp32),
     exact (float, 1 where the behaviour logprob fits the context), token_weights (loss_mask times
     the sample's weight), advantages (fp32, the sample's advantage on each trainable token, 0
-    elsewhere), rewards ([B]).
+    elsewhere), rewards ([B]); when a sample was not sampled plainly: temperature, top_p (fp32) and
+    top_k (long), the sampling of each token (trainer/sampling.py).
     """
     if advantages is None:
         from trainer.loss import group_advantages
@@ -310,7 +322,17 @@ def pack(
         adv[i, :t] = a * loss_mask[i, :t]
     # Right padding: real tokens sit at positions 0..t-1; padding positions are never attended to.
     position_ids = torch.arange(width).expand(n, width).clone()
+    processed = {}
+    if any(s.sampling is not None for s in samples):
+        temperature = torch.ones((n, width), dtype=torch.float32)
+        top_p = torch.ones((n, width), dtype=torch.float32)
+        top_k = torch.zeros((n, width), dtype=torch.long)
+        for i, s in enumerate(samples):
+            for j, sp in enumerate(s.sampling or ()):
+                temperature[i, j], top_p[i, j], top_k[i, j] = sp.temperature, sp.top_p, sp.top_k
+        processed = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     return {
+        **processed,
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,

@@ -32,6 +32,8 @@ from proxy.store import tables as t
 from proxy.store.rewards import combine_rewards
 from proxy.store.tokens import TRAINABLE_SOURCES, rebuild_prompt_ids, unrle
 from trainer.batch import StepTokens
+from trainer.sampling import PLAIN
+from trainer.sampling import from_params as sampling_of
 
 UNKNOWN_LAG = 1_000_000
 
@@ -124,9 +126,10 @@ class Loaded:
     skipped: dict[str, str]  # step id -> reason (not trainable after all: no consent, lost prefix)
 
 
-def load(s: Session, ids: list[str], *, current: str, policies: Policies) -> Loaded:
+def load(s: Session, ids: list[str], *, current: str, policies: Policies, processed: bool = False) -> Loaded:
     """The leased steps as StepTokens (full prompt ids, rewards, version lags); consent is checked
-    again here, under `policies` (the database row over ATDP_POLICY_FILE over the defaults)."""
+    again here, under `policies` (the database row over ATDP_POLICY_FILE over the defaults).
+    `processed`: the engine reported processed logprobs, so each step carries its sampling."""
     rows = {st.id: st for st in s.scalars(select(t.Step).where(t.Step.id.in_(ids)))}
     sessions = {x.id: x for x in s.scalars(select(t.Session).where(t.Session.id.in_({r.session_id for r in rows.values()})))}
     feedback = s.execute(
@@ -181,6 +184,7 @@ def load(s: Session, ids: list[str], *, current: str, policies: Policies) -> Loa
                 reward=combine_rewards(values, policy.reward_combine),
                 version_lag=version_lag(versions, ranks, current),
                 tenant_id=st.tenant_id,
+                sampling=sampling_of(st.params) if processed else PLAIN,
             )
         )
     return Loaded(steps=steps, tenant_of={i: r.tenant_id for i, r in rows.items()}, skipped=skipped)

@@ -40,6 +40,7 @@ from trainer.batch import Sample, build_samples, micro_batches, session_weights,
 from trainer.checkpoint import load_optimizer_state, save_optimizer_state, trainer_state_path
 from trainer.loss import PPOOptions, add_proximal_logprobs, group_advantages, train_step
 from trainer.numerics import Profile
+from trainer.sampling import resolve_logprobs_mode
 
 log = logging.getLogger("atdp.trainer")
 
@@ -82,6 +83,7 @@ class TrainConfig:
     # auto: probe the engine for how it rounds (trainer/numerics.py); or fp32 | bf16 | bf16-trunc
     engine_numerics: str = "auto"
     engine_url: str | None = None  # a vLLM replica, for the probe
+    behaviour_logprobs: str = "auto"  # auto (ask the engine) | processed | raw: trainer/sampling.py
     engine_api_key: str | None = None
     grad_checkpointing: bool = False
     lora_r: int = 0
@@ -132,6 +134,14 @@ class Controller:
         self.last_update = time.monotonic()
         self.leased: list[str] = []
         self.display = Display(enabled=sys.stdout.isatty())
+        self._logprobs_mode: str | None = None
+
+    def logprobs_mode(self) -> str:
+        """How the engine reports behaviour logprobs ("raw" | "processed"); asked once."""
+        if self._logprobs_mode is None:
+            self._logprobs_mode = resolve_logprobs_mode(self.cfg.behaviour_logprobs, self.cfg.engine_url,
+                                                        api_key=self.cfg.engine_api_key)
+        return self._logprobs_mode
 
     def start_run(self) -> str:
         from proxy.store import tables as t
@@ -187,7 +197,8 @@ class Controller:
             return Plan(kind="wait")
         self.leased = ids
         with self.factory() as s, s.begin():
-            loaded = lease.load(s, ids, current=current.name, policies=cfg.policies)
+            loaded = lease.load(s, ids, current=current.name, policies=cfg.policies,
+                                processed=self.logprobs_mode() == "processed")
             fresh, stale = split_stale(loaded.steps, max_version_lag=cfg.max_version_lag)
             reasons = dict(loaded.skipped)
             for st in stale:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer import dist
+from trainer.sampling import processed_logprobs
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: far outside any ratio mask or clip, still finite in fp32
 
@@ -124,11 +125,13 @@ def token_logprobs(
     *,
     position_ids: torch.Tensor | None = None,
     temperature: float = 1.0,
+    sampling: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log p(input_ids[:, i] | input_ids[:, :i]) for every i, in fp32; column 0 is 0.
 
-    vLLM reports logprobs of the raw model distribution by default, so keep temperature 1 unless
-    the engine was asked for processed (temperature-scaled) logprobs.
+    `sampling` (batch.pack's temperature / top_p / top_k, [B, T]): each token's logprob under the
+    processed distribution it was sampled from (trainer/sampling.py), as vLLM reports it with
+    `--logprobs-mode processed_logprobs`. `temperature` scales every row (an engine-wide setting).
     """
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -139,6 +142,13 @@ def token_logprobs(
     targets = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
     # log softmax at the target = target logit - logsumexp over the vocabulary
     logp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if sampling is not None:
+        # Only tokens sampled other than plainly need the sort; row i predicts token i + 1.
+        temp, top_p, top_k = (sampling[k][:, 1:].to(logits.device) for k in ("temperature", "top_p", "top_k"))
+        rows = (temp != 1.0) | (top_p < 1.0) | (top_k > 0)
+        if rows.any():
+            processed = processed_logprobs(logits[rows], targets.squeeze(-1)[rows], temp[rows], top_p[rows], top_k[rows])
+            logp = logp.masked_scatter(rows, processed)
     return F.pad(logp, (1, 0))  # shift right: position 0 has no prediction
 
 
@@ -318,6 +328,7 @@ def train_step(
             mb["attention_mask"],
             position_ids=mb["position_ids"],
             temperature=opts.temperature,
+            sampling=mb if "top_p" in mb else None,
         )
         loss, st = ppo_loss(
             logp,
@@ -404,5 +415,6 @@ def add_proximal_logprobs(
             mb["attention_mask"].to(device),
             position_ids=mb["position_ids"].to(device),
             temperature=temperature,
+            sampling=mb if "top_p" in mb else None,
         )
         mb[key] = logp.cpu() * mb["loss_mask"]

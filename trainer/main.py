@@ -23,7 +23,7 @@ FLAG_FIELDS: tuple[str, ...] = (
     "train_micro_batch_tokens", "train_clip_low", "train_clip_high", "train_ratio_mask_low",
     "train_ratio_mask_high", "train_max_grad_norm", "train_kl_mask", "train_kl_coef", "train_kl_ref",
     "train_temperature", "train_weighting", "train_optimizer_state", "train_normalize_std", "train_dtype",
-    "train_compute_dtype", "train_save_dtype", "train_engine_numerics", "train_lora_r", "train_seed",
+    "train_compute_dtype", "train_save_dtype", "train_engine_numerics", "train_behaviour_logprobs", "train_lora_r", "train_seed",
     "train_max_updates", "proxy_url",
 )
 
@@ -70,6 +70,7 @@ def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
         compute_dtype=args.compute_dtype or None,
         save_dtype=args.save_dtype,
         engine_numerics=args.engine_numerics or "auto",
+        behaviour_logprobs=args.behaviour_logprobs or "auto",
         engine_url=settings.upstream_urls[0] if settings.upstream_urls else None,
         engine_api_key=settings.upstream_api_key,
         lora_r=args.lora_r,

@@ -113,6 +113,11 @@ class VLLMServer:
             "--max-model-len", str(self.max_model_len),
             "--host", self.host,
             "--port", str(self.port),
+            # Behaviour logprobs of the distribution each token was sampled from (after temperature,
+            # top-p, top-k: trainer/sampling.py), and no sampling defaults from the model's
+            # generation_config that the proxy cannot see in the request.
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
             *self.extra_args,
         ]  # fmt: skip
 

@@ -22,6 +22,7 @@ from trainer import numerics
 from trainer.batch import StepTokens, build_samples, pack
 from trainer.loss import token_logprobs
 from trainer.model import load_model
+from trainer.sampling import engine_logprobs_mode, from_params
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +31,8 @@ PLAIN_FP32_BOUND_NATS = 0.05
 QUESTIONS = ["what is 12 + 7?", "the quick brown fox", "hello there", "say a number"]
 
 
-def _sample_steps(base_url: str, model: str) -> list[StepTokens]:
+def _sample_steps(base_url: str, model: str, params: dict | None = None) -> list[StepTokens]:
+    params = params or {"temperature": 1.0}
     steps = []
     with httpx.Client(base_url=base_url, timeout=120) as client:
         for i, question in enumerate(QUESTIONS):
@@ -40,7 +42,7 @@ def _sample_steps(base_url: str, model: str) -> list[StepTokens]:
                     "model": model,
                     "messages": [{"role": "user", "content": question}],
                     "max_tokens": 24,
-                    "temperature": 1.0,
+                    **params,
                     "seed": i,
                     "logprobs": True,
                     "return_token_ids": True,
@@ -64,6 +66,7 @@ def _sample_steps(base_url: str, model: str) -> list[StepTokens]:
                     prompt_exact=True,
                     reward=0.0,
                     version_lag=0,
+                    sampling=from_params(params),
                 )
             )
     return steps
@@ -106,3 +109,32 @@ def _measure(vllm_server, checkpoint):
     assert medians[detected.profile] <= MEDIAN_BOUND_NATS
     assert medians[detected.profile] <= medians["fp32"]
     assert medians["fp32"] <= PLAIN_FP32_BOUND_NATS
+
+
+def test_processed_logprobs_at_temperature_and_top_p_match_the_engine(vllm_server, tmp_path):
+    """Agents sample at temperature != 1 and top_p < 1: the engine (--logprobs-mode processed_logprobs)
+    reports the distribution the token was drawn from, and the trainer recomputes that one from the
+    step's parameters, to the same bar as at temperature 1."""
+    checkpoint = trained_looking_checkpoint(vllm_server.model_dir, tmp_path / "trained")
+    swap_weights(vllm_server.base_url, checkpoint, "trained-looking")
+    try:
+        assert engine_logprobs_mode(vllm_server.base_url) == "processed"
+        profile = numerics.resolve("auto", checkpoint, vllm_server.base_url)
+        steps = _sample_steps(vllm_server.base_url, vllm_server.model, {"temperature": 0.7, "top_p": 0.9})
+    finally:
+        swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
+    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=2048)
+    batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
+    mask = batch["loss_mask"] > 0
+    model = load_model(checkpoint, dtype="fp32", grad_checkpointing=False, engine_numerics=profile).eval()
+    medians = {}
+    with torch.no_grad():
+        for name, sampling in (("processed", batch), ("raw", None)):
+            logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                  position_ids=batch["position_ids"], sampling=sampling)
+            diffs = sorted((logp - batch["behaviour_logprobs"]).abs()[mask].tolist())
+            medians[name] = statistics.median(diffs)
+            print(f"temperature 0.7 top_p 0.9, {name} recompute ({profile}): tokens={len(diffs)} "
+                  f"median|diff|={medians[name]:.4f} p90={diffs[int(0.9 * len(diffs))]:.4f} max={diffs[-1]:.4f}")
+    assert medians["processed"] <= MEDIAN_BOUND_NATS
+    assert medians["raw"] > 5 * max(medians["processed"], 0.01)  # ignoring the sampling is visibly wrong
