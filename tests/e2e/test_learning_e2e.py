@@ -8,16 +8,24 @@ with 2 ranks). Bar: the mean reward under the last 3 versions beats the base ver
 With 64 sessions a round the outcome varied between runs on one machine (last three 0.48-0.61 against
 the bar 0.51: vLLM batches concurrent seeded requests differently, and a small batch's update is
 mostly noise); 128 sessions halve the variance of both the update and the measured means.
+
+Negative control: the same number of rounds and updates from the same base, in a second store, with
+each round's rewards shuffled across its sessions (the same values, no information). Both arms' last
+versions then answer 128 held-out prompts (never trained on; the same seeds for both). Bar: the real
+arm's held-out reward beats the control's, with the 95% interval of the difference above 0.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -33,6 +41,7 @@ SESSIONS = 128
 MAX_TOKENS = 6
 ROUNDS = 6  # base + 5 trained versions
 MARGIN = 0.1
+HELDOUT = 128  # held-out prompts, each answered once by each arm's last version
 
 
 def _round(proxy, model: str, rnd: int) -> None:
@@ -73,42 +82,50 @@ def _train(proxy, home: Path, url: str, engine_url: str, *, ranks: int = 1) -> s
     return proc
 
 
-def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tmp_path):
+@dataclass
+class Arm:
+    means: list[float] = field(default_factory=list)  # mean training reward under each version
+    versions: list[str] = field(default_factory=list)
+    heldout: list[float] = field(default_factory=list)  # per held-out session, under the last version
+
+
+def _reward(subset: set[int], ids: list[int]) -> float:
+    return sum(tok in subset for tok in ids) / len(ids)
+
+
+def _run_arm(proxy, vllm_server, url: str, home: Path, subset: set[int], *, shuffle: bool) -> tuple[Arm, set[int]]:
+    """ROUNDS rounds with an update after each but the last; then the held-out prompts."""
     from tests.vllm_fixtures import swap_weights
 
-    url = new_database("atdp_learn")
-    db.upgrade(url)
     engine = db.make_engine(url)
     own = db.session_factory(engine)
-    proxy = start_proxy([vllm_server.base_url], database_url=url)
-    assert proxy.versions.ready.wait(60)
-    home = tmp_path / "home"
-    means: list[float] = []
-    versions: list[str] = []
-    subset: set[int] = set()
+    arm = Arm()
     try:
         for rnd in range(ROUNDS):
             _round(proxy, vllm_server.model, rnd)
             mine = [st for st in proxy.steps(own) if _external(own, st.session_id).startswith(f"r{rnd}-")]
             assert len(mine) == SESSIONS
             (version,) = {st.model_version for st in mine}
-            versions.append(version)
-            if rnd == 0:
+            arm.versions.append(version)
+            if not subset:  # the real arm's round 0 names S
                 counts = collections.Counter(tok for st in mine for tok in st.output_token_ids)
                 subset = {tok for tok, _ in counts.most_common(16)}
-            rewards = []
-            for st in mine:
-                reward = sum(tok in subset for tok in st.output_token_ids) / len(st.output_token_ids)
-                rewards.append(reward)
+            rewards = [_reward(subset, st.output_token_ids) for st in mine]
+            arm.means.append(statistics.fmean(rewards))
+            given = list(rewards)
+            if shuffle:
+                random.Random(rnd).shuffle(given)
+            for st, reward in zip(mine, given, strict=True):
                 r = httpx.post(f"{proxy.url}/atdp/v1/sessions/{_external(own, st.session_id)}/feedback",
                                json={"reward": reward}, timeout=10)
                 assert r.status_code == 200, r.text
-            means.append(statistics.fmean(rewards))
-            print(f"round {rnd}: version {version} mean reward {means[-1]:.3f}")
+            print(f"{'control' if shuffle else 'real'} round {rnd}: version {version} mean reward {arm.means[-1]:.3f}")
             if rnd < ROUNDS - 1:
                 proc = _train(proxy, home, url, vllm_server.base_url, ranks=2 if rnd == 2 else 1)
                 print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "")
                 assert "engine numerics: bf16" in proc.stderr, proc.stderr[-3000:]  # probed, not plain fp32
+        arm.heldout = _heldout(proxy, vllm_server.model, own, subset, tag="c" if shuffle else "r")
+        _check_store(own)
     finally:
         died = vllm_server.server.exit_report()
         if died:  # say why the engine went away instead of failing on the swap back below
@@ -120,20 +137,68 @@ def test_rewarded_behaviour_increases(start_proxy, vllm_server, new_database, tm
         if back.status_code != 200:
             swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
         engine.dispose()
+    return arm, subset
 
-    assert versions == ["base"] + [f"v{i}" for i in range(1, ROUNDS)]  # each round sampled by the newest version
-    last3 = statistics.fmean(means[-3:])
-    print(f"mean reward: base {means[0]:.3f}, last 3 versions {last3:.3f} ({means})")
-    assert last3 >= means[0] + MARGIN
+
+def _heldout(proxy, model: str, own, subset: set[int], *, tag: str) -> list[float]:
+    """Rewards of HELDOUT prompts never trained on, the same seeds for every arm; sent without feedback."""
+    def one(i: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": f"Held-out {i}: say something."}],
+                "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": 10**6 + i}
+        r = httpx.post(proxy.v1 + "/chat/completions", json=body, headers={"x-atdp-session-id": f"h{tag}-{i}"},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(HELDOUT)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    proxy.flush()
+    mine = [st for st in proxy.steps(own) if _external(own, st.session_id).startswith(f"h{tag}-")]
+    assert len(mine) == HELDOUT
+    return [_reward(subset, st.output_token_ids) for st in mine]
+
+
+def _check_store(own) -> None:
+    from sqlalchemy import select
+
+    from proxy.store import tables as t
+
     with own() as s:
-        from sqlalchemy import select
-
-        from proxy.store import tables as t
-
         lineage = s.scalars(select(t.VersionLineage)).all()
         assert len(lineage) == SESSIONS * (ROUNDS - 1)  # every rewarded step trained exactly one version
         updates = s.scalars(select(t.TrainingUpdate)).all()
         assert len(updates) == ROUNDS - 1 and all(u.metrics["swap_status"] == "serving" for u in updates)
+
+
+def _interval(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% interval (normal approximation; n = 128)."""
+    return statistics.fmean(xs), 1.96 * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+@pytest.mark.timeout(2400)  # two arms of six rounds; about 10 minutes on 2 quiet cores
+def test_rewarded_behaviour_increases_and_beats_shuffled_rewards(start_proxy, vllm_server, new_database, tmp_path):
+    url = new_database("atdp_learn")
+    db.upgrade(url)
+    proxy = start_proxy([vllm_server.base_url], database_url=url)
+    assert proxy.versions.ready.wait(60)
+    real, subset = _run_arm(proxy, vllm_server, url, tmp_path / "home", set(), shuffle=False)
+    assert real.versions == ["base"] + [f"v{i}" for i in range(1, ROUNDS)]  # each round sampled by the newest version
+    last3 = statistics.fmean(real.means[-3:])
+    print(f"mean reward: base {real.means[0]:.3f}, last 3 versions {last3:.3f} ({real.means})")
+    assert last3 >= real.means[0] + MARGIN
+
+    control_url = new_database("atdp_learn_control")
+    db.upgrade(control_url)
+    control_proxy = start_proxy([vllm_server.base_url], database_url=control_url)
+    assert control_proxy.versions.ready.wait(60)
+    control, _ = _run_arm(control_proxy, vllm_server, control_url, tmp_path / "home-control", subset, shuffle=True)
+    (m_real, h_real), (m_ctl, h_ctl) = _interval(real.heldout), _interval(control.heldout)
+    diff, h_diff = m_real - m_ctl, math.hypot(h_real, h_ctl)
+    print(f"held-out reward under the last version: real {m_real:.3f} ±{h_real:.3f}, shuffled rewards "
+          f"{m_ctl:.3f} ±{h_ctl:.3f}; difference {diff:.3f} ±{h_diff:.3f} (control rounds {control.means})")
+    assert diff - h_diff > 0
 
 
 def _external(factory, session_id: str) -> str:
