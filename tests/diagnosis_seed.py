@@ -57,11 +57,13 @@ def tool_session(proxy, uses: list[Use], *, task: str, key: str = "unused", sid:
     return sid
 
 
-def chat_session(proxy, text: str, *, task: str, key: str = "unused") -> str:
+def chat_session(proxy, text: str, *, task: str, key: str = "unused", system: str = "") -> str:
+    """One plain call (no tools); the scripted model answers `text`."""
     sid = f"c-{uuid.uuid4().hex[:10]}"
     c = anthropic.Anthropic(base_url=proxy.url, api_key=key, max_retries=0,
                             default_headers={"X-ATDP-Session-Id": sid, "X-ATDP-Task-Id": task})
-    c.messages.create(model="fake", max_tokens=64, messages=[{"role": "user", "content": f"#say {text}"}])
+    c.messages.create(model="fake", max_tokens=64, messages=[{"role": "user", "content": f"#say {text}"}],
+                      **({"system": system} if system else {}))
     return sid
 
 

@@ -150,3 +150,22 @@ def test_route_needs_a_key_and_scopes_a_tenant_key_to_its_tenant(scenario, start
     assert loose["rules"]["min_failures"] == 100
     for bad in ({"min_failures": "many"}, {"no_such_rule": 1}, {"concentration_share": 2}, {"window_days": 0}):
         assert httpx.get(url, params=bad, headers=ADMIN).status_code == 400, bad
+
+
+def test_a_reward_decline_and_growing_prompts_are_found_per_tenant_and_task(scenario):
+    _, factory, proxy, _, _ = scenario
+    from tests.diagnosis_seed import chat_session, feedback
+
+    # The earlier half of the window is rewarded, the later half is not; and its prompts grew 20-fold.
+    for k in range(8):
+        later = k >= 4
+        sid = chat_session(proxy, "ok", task="triage", system=("context " * (400 if later else 20)))
+        feedback(proxy, sid, reward=-1.0 if later else 1.0)
+    d = _diagnosis(factory)
+    (trend,) = [f for f in d["findings"] if f["kind"] == "reward_trend"]
+    assert trend["layer"] == "policy" and trend["evidence"]["earlier_half"] == 1.0
+    assert trend["evidence"]["later_half"] == -1.0 and trend["score"] == 1.0
+    assert [r.combined_reward for r in _rows(factory, trend["sql"])] == [1.0] * 4 + [-1.0] * 4
+    (cost,) = [f for f in d["findings"] if f["kind"] == "cost"]
+    assert cost["layer"] == "harness" and cost["evidence"]["growth"] > 5 and cost["evidence"]["prompt_share"] > 0.9
+    assert d["stats"]["rewards"][0]["by_version"]["base"]["sessions"] == 8

@@ -11,10 +11,11 @@ import pytest
 from sqlalchemy import select
 
 from proxy.config import Settings
+from proxy.evolve.diagnose import diagnose
 from proxy.evolve.rules import Rules
 from proxy.store import db
 from proxy.store import tables as t
-from tests.diagnosis_seed import seed_harness, seed_policy, tenant_key
+from tests.diagnosis_seed import chat_session, seed_harness, seed_policy, tenant_key
 from trainer import lease
 from trainer.gate import DiagnosisGate
 from trainer.loop import TrainConfig, run
@@ -69,6 +70,19 @@ def test_train_when_diagnosed_waits_for_a_policy_finding(new_database, start_pro
     assert result.status == "serving" and result.version == "v1"
     with factory() as s:
         assert lease.count_ready(s) == 0
+
+    # After v1, traffic moves to a task its training data never had: drift against v1's training window.
+    for k in range(6):
+        chat_session(proxy, f"summary {k}", task="summarise")
+    proxy.flush()
+    with factory() as s:
+        d = diagnose(s, Rules(min_drift_steps=5))
+    (drift,) = [f for f in d.findings if f.kind == "drift"]
+    dims = drift.evidence["dimensions"]
+    assert drift.layer == "policy" and drift.evidence["version"] == "v1" and drift.evidence["recent_steps"] == 6
+    assert dims["task"]["tvd"] == 1.0 and dims["task"]["psi"] > 1
+    # v1 trained on tool sessions (two tool calls and an answer each); the new traffic calls no tool.
+    assert dims["tool"]["tvd"] == pytest.approx(2 / 3, abs=1e-3)
     engine.dispose()
 
 
