@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from proxy import telemetry
 from proxy.config import Settings
-from proxy.control import admin, feedback, sessions, versions
+from proxy.control import admin, diagnosis, feedback, sessions, versions
 from proxy.control.swap import Versions
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
@@ -48,6 +48,7 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[
         *feedback.routes(state),
         *versions.routes(state, swaps),
         *admin.routes(state),
+        *diagnosis.routes(state),
         Route("/", models.root, ("GET", "HEAD")),
         Route("/healthz", _healthz(state), ("GET",)),
         Route("/metrics", _metrics(state), ("GET",)),

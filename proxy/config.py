@@ -79,6 +79,8 @@ class Settings(BaseSettings):
     # the engine's /v1/models root (a folder on this host, or a hub id in the local cache); "none": off.
     tokenizer: str | None = None
     retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
+    # Diagnosis rules and thresholds (TOML; docs/diagnosis.md). Unset: the documented defaults.
+    diagnosis_file: Path | None = None
     # --- the proxy ----------------------------------------------------------------------------------
     max_body_bytes: int = 32 * 1024 * 1024
     queue_size: int = 10_000
@@ -132,6 +134,8 @@ class Settings(BaseSettings):
     train_lora_r: int = Field(0, description="LoRA rank (0: full fine-tuning)")
     train_seed: int = Field(0, description="torch seed")
     train_max_updates: int = Field(0, description="stop after this many updates (0: never)")
+    train_when: str = Field("always", description="always | diagnosed: update only while `atdp diagnose` "
+                            "recommends a policy update (docs/diagnosis.md)")
     # --- the demo and the tests' vLLM ----------------------------------------------------------------
     vllm_venv: Path | None = None  # the vLLM environment (default: the one scripts/vllm_env.sh builds)
     vllm_python: str | None = None  # that environment's python, given directly

@@ -10,10 +10,10 @@ One update, in order:
     3. samples from the stored tokens; advantages over the whole batch
     4. train_step (ppo_epochs times) on the model of the serving version
     5. write the checkpoint; register the candidate + lineage; ask the proxy to swap
-The in-memory model continues across updates while its version serves; after a failed swap or a
-rollback it is reloaded from the serving version's checkpoint. The optimizer state is saved after
-every swap under <checkpoints>/.trainer-state/ and resumed when the model loaded is the version it
-belongs to (a `--once` run after a successful one, a restarted trainer).
+(1 also waits while `gate`, e.g. `--when diagnosed` (trainer/gate.py), holds.) The in-memory model
+continues across updates while its version serves; after a failed swap or a rollback it is reloaded
+from the serving version's checkpoint. The optimizer state is saved after every swap under
+<checkpoints>/.trainer-state/ and resumed when the model loaded is its version.
 
 An update whose loss or weights are not finite is never published: its candidate is registered
 and marked failed at once (lineage kept, steps released), and the next update reloads the serving
@@ -38,6 +38,7 @@ from proxy.governance.policies import Policies
 from trainer import dist, numerics
 from trainer.batch import Sample, build_samples, micro_batches, session_weights, split_for_ranks, split_stale
 from trainer.checkpoint import load_optimizer_state, save_optimizer_state, trainer_state_path
+from trainer.gate import DiagnosisGate
 from trainer.loss import PPOOptions, add_proximal_logprobs, group_advantages, train_step
 from trainer.numerics import Profile
 from trainer.sampling import resolve_logprobs_mode
@@ -93,6 +94,7 @@ class TrainConfig:
     # Consent is checked again when steps are loaded: the database row over ATDP_POLICY_FILE over the
     # defaults (ATDP_PRODUCTION: no consent unless given). `atdp train` builds it from the settings.
     policies: Policies = field(default_factory=Policies)
+    gate: DiagnosisGate | None = None  # --when diagnosed: train only while a policy update is recommended
 
 
 @dataclass
@@ -178,12 +180,13 @@ class Controller:
         while True:
             with self.factory() as s:
                 ready = lease.count_ready(s)
+                held = cfg.gate(s) if ready and cfg.gate else None
             due = time.monotonic() - self.last_update >= cfg.interval_s
-            if ready and (cfg.once or ready >= cfg.min_steps or due):
+            if ready and not held and (cfg.once or ready >= cfg.min_steps or due):
                 break
             if cfg.once:
-                return Plan(kind="stop", message="no eligible rewarded steps to train on")
-            self.display.phase(f"waiting for rewarded steps: {ready}/{cfg.min_steps}")
+                return Plan(kind="stop", message=held or "no eligible rewarded steps to train on")
+            self.display.phase(held or f"waiting for rewarded steps: {ready}/{cfg.min_steps}")
             if time.monotonic() >= deadline:
                 return Plan(kind="wait")
             time.sleep(cfg.poll_s)
@@ -344,12 +347,10 @@ class Display:
 
     def update(self, r: UpdateResult) -> None:
         m = r.metrics
-        line = (
-            f"update {r.update} -> {r.version} [{r.status}] reward {m.get('reward_mean', float('nan')):.3f}"
-            f"±{m.get('reward_std', float('nan')):.3f} loss {m['loss']:.4f} clip {m['clip_frac']:.3f} "
-            f"masked {m['masked_frac']:.3f} |Δlogp| {m['mean_abs_logp_diff']:.4f} "
-            f"tok/s {m['tokens_per_s']:.0f} steps {m['steps']} stale {m['stale']}"
-        )
+        line = (f"update {r.update} -> {r.version} [{r.status}] reward {m.get('reward_mean', float('nan')):.3f}"
+                f"±{m.get('reward_std', float('nan')):.3f} loss {m['loss']:.4f} clip {m['clip_frac']:.3f} "
+                f"masked {m['masked_frac']:.3f} |Δlogp| {m['mean_abs_logp_diff']:.4f} "
+                f"tok/s {m['tokens_per_s']:.0f} steps {m['steps']} stale {m['stale']}")
         log.info(line)
         if self.progress is not None:
             self.progress.console.print(line)

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from proxy.config import Settings
+    from trainer.gate import DiagnosisGate
     from trainer.loop import TrainConfig
+
+WHEN = ("always", "diagnosed")
 
 # Flags and the settings they override (`--min-steps` -> ATDP_TRAIN_MIN_STEPS, `--proxy-url` ->
 # ATDP_PROXY_URL). Types, defaults and help come from proxy.config.Settings: one place.
@@ -24,12 +27,27 @@ FLAG_FIELDS: tuple[str, ...] = (
     "train_ratio_mask_high", "train_max_grad_norm", "train_kl_mask", "train_kl_coef", "train_kl_ref",
     "train_temperature", "train_weighting", "train_optimizer_state", "train_normalize_std", "train_dtype",
     "train_compute_dtype", "train_save_dtype", "train_engine_numerics", "train_behaviour_logprobs", "train_lora_r", "train_seed",
-    "train_max_updates", "proxy_url",
+    "train_max_updates", "train_when", "proxy_url",
 )
 
 
 def _flag(field: str) -> str:
     return "--" + field.removeprefix("train_").replace("_", "-")
+
+
+def diagnosis_gate(when: str, settings: Settings) -> DiagnosisGate | None:
+    """`--when diagnosed`: a gate that holds training until the diagnosis recommends a policy update."""
+    if when not in WHEN:
+        raise SystemExit(f"atdp train: --when must be one of {', '.join(WHEN)}, not {when!r}")
+    if when == "always":
+        return None
+    from proxy.evolve.rules import RulesError, load_rules
+    from trainer.gate import DiagnosisGate
+
+    try:
+        return DiagnosisGate(load_rules(settings.diagnosis_file))
+    except RulesError as e:
+        raise SystemExit(f"atdp train: {e}") from None
 
 
 def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
@@ -76,6 +94,7 @@ def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
         lora_r=args.lora_r,
         seed=args.seed,
         policies=Policies.from_settings(settings),
+        gate=diagnosis_gate(args.when, settings),
     )
 
 
