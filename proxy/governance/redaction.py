@@ -521,6 +521,19 @@ def _define_recognizers() -> tuple[Any, Any, Any]:
 _DECIMAL = re.compile(r"\d+\.\d+")
 
 
+# pydantic's validation messages quote the offending input (`input_value='...'`), cut in the middle when
+# long (`'maria.gonzalez@...-555-0132'`): fragments no recognizer can know for what they were. vLLM's 400s
+# are such messages. The quote goes; the rest (which field, what was expected) stays for debugging.
+_ECHOED_INPUT = re.compile(r"input_value=.*?, input_type=", re.S)
+
+
+def elide_echoes(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A step's error with the request values its message echoes removed (redaction still follows)."""
+    if not error or not isinstance(error.get("message"), str):
+        return error
+    return {**error, "message": _ECHOED_INPUT.sub("input_value=<elided>, input_type=", error["message"])}
+
+
 class TextRedactor(Protocol):
     """What the writer, replay and the control routes need from a redactor (in-process or pooled)."""
 

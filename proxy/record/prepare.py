@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from atdp_schema.models import TokenSource
 from proxy.governance.policy import TenantPolicy, decide_eligibility
-from proxy.governance.redaction import TextRedactor
+from proxy.governance.redaction import TextRedactor, elide_echoes
 from proxy.governance.tokens import TokenDecision, TokenGuard
 from proxy.lru import LRU
 from proxy.record.capture import CapturedStep
@@ -179,7 +179,7 @@ class Preparer:
                 "results": [(r, add("tool_result", r.content)) for r in st.tool_results],
                 "items": items,
                 "params": side(st.params),
-                "error": side(st.error),
+                "error": side(elide_echoes(st.error)),
                 "extras": [h for h in (side(x) for x in st.history_extras) if h],
             }
             planned.append((st, refs))
@@ -239,7 +239,7 @@ class Preparer:
         output_counts = counts_of.get(refs["output"], {})
         report = dict(input_counts)
         params, params_counts = self._side_value(tenant, refs["params"], st.params)
-        error, error_counts = self._side_value(tenant, refs["error"], st.error)
+        error, error_counts = self._side_value(tenant, refs["error"], elide_echoes(st.error))
         # Params (stop strings, response_format schemas) and the error message are stored, not
         # rendered into the prompt: they count in the step's report, not against its token ids.
         for counts in (output_counts, params_counts, error_counts):

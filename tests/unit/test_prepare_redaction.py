@@ -109,3 +109,16 @@ def test_tool_schemas_are_operator_content_system_prompts_are_not(redactor: Reda
     assert stored["tools"] == tools  # secrets only: nothing found, stored as sent
     assert EMAIL not in json.dumps(stored["system"])  # system prompts get the full scan
     assert rec.redaction == {"EMAIL_ADDRESS": 1}
+
+
+def test_pydantic_echoes_are_elided_before_redaction(redactor: Redactor) -> None:
+    # vLLM 0.32's 400 for a bad content part (as the real engine answers): the quoted input is cut in
+    # the middle, leaving fragments (`maria.gonzalez@...-555-0132`) no recognizer can place.
+    message = ("1 validation error for ValidatorIterator\n0.ChatCompletionContentPartTextParam.type\n"
+               "  Input should be 'text' [type=literal_error, input_value='maria.gonzalez@...-555-0132', "
+               "input_type=str]\n0.File.file\n  Field required [type=missing, input_value={'type': "
+               "'maria.gonzalez@...-555-0132', 'text': 'x'}, input_type=dict]")
+    error = {"type": "upstream_error", "status_code": 400, "message": message}
+    [rec] = preparer(redactor).prepare([step(messages=[{"role": "user", "content": "x"}], error=error)])
+    assert "maria" not in rec.error["message"] and "555-0132" not in rec.error["message"]
+    assert "Input should be 'text'" in rec.error["message"] and "input_value=<elided>" in rec.error["message"]
