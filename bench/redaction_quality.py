@@ -2,9 +2,9 @@
 
 Three measurements, each against a goal of issue #13:
 - the real system prompts and tool schemas of Claude Code, Codex CLI and Hermes Agent
-  (bench/corpus/clients/): goal 0 detections. Scanned twice: as operator content (what the writer
-  does with a step's system prompt and tools: secrets only) and with the full scan (what a copy of the
-  same text inside a user message or tool result gets);
+  (bench/corpus/clients/): goal 0 detections. Scanned twice: secrets only (the operator scope the
+  writer applies to tool schemas) and with the full scan (what the writer applies to system prompts,
+  and to any copy of the same text inside a user message or tool result);
 - code-like tool output (git log, pip freeze, stack traces, ls -l, JSON API answers, docker ps, logs,
   `cat -n` listings): goal <= 1 false positive per 100 KB;
 - seeded PII and secrets of every default entity type inserted into that output: goal recall >= 99%

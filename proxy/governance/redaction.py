@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 from proxy.governance.secrets import (
     _AUTH_KEY,
     _AUTH_VALUE,
+    _DECIMAL,
     _KV_SECRET,
     _PRESIDIO_GATES,
     _SECRET_GATES,
@@ -490,7 +491,7 @@ def _define_recognizers() -> tuple[Any, Any, Any]:
 
         def find(self, text: str, key: str | None) -> list[Any]:
             results = []
-            for ws, we in _phone_windows(text):
+            for ws, we in _phone_windows(text, key):
                 window = text[ws:we]
                 for region in self.supported_regions:
                     for match in phonenumbers.PhoneNumberMatcher(window, region, leniency=self.leniency):
@@ -518,7 +519,7 @@ def _define_recognizers() -> tuple[Any, Any, Any]:
     return OfflineEmailRecognizer, AgentPhoneRecognizer, SchemeCreditCardRecognizer
 
 
-_DECIMAL = re.compile(r"\d+\.\d+")
+
 
 
 # pydantic's validation messages quote the offending input (`input_value='...'`), cut in the middle when

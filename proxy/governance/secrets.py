@@ -276,18 +276,26 @@ _SECRET_GATES: dict[str, tuple[tuple[str, ...], bool]] = {  # entity -> (literal
 }  # fmt: skip
 
 
-def _phone_windows(text: str) -> Iterator[tuple[int, int]]:
-    """Short windows around digit runs that could be phone numbers (>= 7 digits)."""
+def _phone_windows(text: str, key: str | None = None) -> Iterator[tuple[int, int]]:
+    """Short windows around digit runs that could be phone numbers as they are written in text (>= 7
+    digits, see `AgentPhoneRecognizer`): python-phonenumbers, the costly part of a scan, only sees these."""
     last_end = -1
     start = end = -1
     for m in _PHONE_CANDIDATE.finditer(text):
         candidate = m.group()
         if sum(c.isdigit() for c in candidate) < 7 or _DATE.fullmatch(candidate.strip()):
             continue  # logs are full of ISO dates; no region parses them as phone numbers
+        if _DECIMAL.fullmatch(candidate):
+            continue  # `16.498936`
         if candidate.isdigit() and (_word_at(text, m.start() - 1) or _word_at(text, m.end())):
             # Digits glued to letters (hex ids: phonenumbers at leniency VALID rejects these too) or
             # to an identifier (`call_104640775`, `req_2125551234`) are ids, not phone numbers.
             continue
+        if not any(c.isspace() for c in candidate) and glued(text, m.start(), m.end()):
+            continue  # `haiku-4-5-20251001`, `10:23:45.123456`: inside an identifier or a time
+        if (candidate[0] != "+" and not _DIGIT_SEP.search(candidate)
+                and not has_phone_context(text, m.start(), key)):
+            continue  # a lone digit run is a phone number only next to a phone word
         s, e = max(0, m.start() - 4), min(len(text), m.end() + 4)
         if s <= last_end:  # merge neighbours so a number is never cut in two
             end = e
@@ -298,6 +306,10 @@ def _phone_windows(text: str) -> Iterator[tuple[int, int]]:
         last_end = end
     if start >= 0:
         yield start, end
+
+
+_DECIMAL = re.compile(r"\d+\.\d+")
+_DIGIT_SEP = re.compile(r"\d[ \t().\-/]+\d|\(\d")
 
 
 def _word_at(text: str, i: int) -> bool:
