@@ -122,3 +122,14 @@ def test_pydantic_echoes_are_elided_before_redaction(redactor: Redactor) -> None
     [rec] = preparer(redactor).prepare([step(messages=[{"role": "user", "content": "x"}], error=error)])
     assert "maria" not in rec.error["message"] and "555-0132" not in rec.error["message"]
     assert "Input should be 'text'" in rec.error["message"] and "input_value=<elided>" in rec.error["message"]
+
+
+def test_a_card_sent_as_a_bare_json_number_makes_the_step_dirty(redactor: Redactor) -> None:
+    # Before: numbers were not scanned, so such a step counted as clean and kept raw token ids.
+    result = {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"card": 4111111111111111, "n": 2})}
+    prompt = '{"card": 4111111111111111, "n": 2}'
+    [rec] = preparer(redactor).prepare([step(messages=[result], prompt=prompt)])
+    assert rec.redaction == {"CREDIT_CARD": 1}
+    assert rec.token_source == TokenSource.dropped  # no tokenizer: ids that held it cannot be kept
+    stored = {c.kind: c.body for c in rec.contents}["message"]
+    assert "4111111111111111" not in json.dumps(stored)

@@ -128,3 +128,15 @@ def test_redact_many_takes_operator_flags(redactor: Redactor) -> None:
     items = [("t", "mail help@acme-corp.io"), ("t", "mail help@acme-corp.io")]
     out = redactor.redact_many(items, operator=[True, False])
     assert out == [("mail help@acme-corp.io", {}), ("mail <EMAIL_ADDRESS>", {"EMAIL_ADDRESS": 1})]
+
+
+def test_the_pool_passes_operator_flags_to_its_workers(redactor: Redactor) -> None:
+    from proxy.governance.redaction_pool import RedactionPool
+
+    text = "owner help@acme-corp.io " + "x" * 3000  # big enough to be sent to a worker
+    items = [("t", text), ("t", text), ("t", {"a": text})]
+    flags = [True, False, True]
+    with RedactionPool(RedactionConfig(salt=b"test-salt"), max_workers=2, inline_chars=0) as pool:
+        got = pool.redact_many(items, operator=flags)
+    assert got == redactor.redact_many(items, operator=flags)
+    assert [counts for _, counts in got] == [{}, {"EMAIL_ADDRESS": 1}, {}]
