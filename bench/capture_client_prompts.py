@@ -6,12 +6,13 @@ writes the operator content of the first model request each client sends (system
 schemas, exactly as sent) to `bench/corpus/clients/`. Those files are the redaction benchmark's
 "must find nothing" corpus (`bench/redaction_quality.py`) and fixtures of the fast test.
 
-The clients are not project dependencies: install them in a scratch folder and name their binaries
+The clients are not project dependencies: install them in a scratch folder ($SCRATCH) and name their
+binaries (captured with Claude Code 2.1.197, Codex CLI 0.171.0, Hermes Agent 0.19.0):
 
-    npm install --prefix /tmp/clients @anthropic-ai/claude-code @openai/codex
-    python -m venv /tmp/hermes && /tmp/hermes/bin/pip install 'hermes-agent[anthropic]'
-    python bench/capture_client_prompts.py --claude /tmp/clients/node_modules/.bin/claude \
-        --codex /tmp/clients/node_modules/.bin/codex --hermes /tmp/hermes/bin/hermes
+    npm install --prefix $SCRATCH/clients @anthropic-ai/claude-code @openai/codex
+    python -m venv $SCRATCH/hermes && $SCRATCH/hermes/bin/pip install 'hermes-agent[anthropic]'
+    python bench/capture_client_prompts.py --claude $SCRATCH/clients/node_modules/.bin/claude \
+        --codex $SCRATCH/clients/node_modules/.bin/codex --hermes $SCRATCH/hermes/bin/hermes
 
 Each client runs in a throwaway HOME so nothing of the machine's own configuration leaks in.
 """
