@@ -24,7 +24,7 @@ from atdp_schema.models import StepStatus
 from proxy import telemetry
 from proxy.auth import Principal
 from proxy.errors import ApiError
-from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn
+from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras
 from proxy.sessions import Continuation, SessionRef, StepLink, match_key, prefix_hashes, resolve
 from proxy.state import AppState
 from proxy.store.ids import new_id
@@ -215,6 +215,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         ttft_ms=call.ttft_s * 1000 if call.ttft_s is not None else None, total_ms=total_s * 1000,
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, transcript_hash=transcript_hash,
         client_info=call.client_info, replay_of=call.replay_of,
+        history_extras=history_extras(call.native_messages[: call.continuation.history_len]),
     )
     call.state.recorder.submit(step)
     telemetry.REQUESTS.labels(call.api, status).inc()
@@ -227,8 +228,17 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         api=call.api, model=step.model, session_id=call.session.external_id, step_id=call.step_id, status=status,
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start_ns=call.start_ns,
         end_ns=time.time_ns(), finish_reason=cap.finish_reason, upstream=step.upstream,
-        error=(error or {}).get("message"),
+        error=error_summary(error),
     )
+
+
+def error_summary(error: dict[str, Any] | None) -> str | None:
+    """What a span may say about a failed call: its type and status, never the message (vLLM's 400s
+    echo the request; the message is stored redacted, by the writer)."""
+    if not error:
+        return None
+    status = error.get("status_code")
+    return f"{error.get('type') or 'error'}" + (f" (HTTP {status})" if status else "")
 
 
 # --- reading the upstream answer (every door), relaying a translated stream (messages, responses) ---

@@ -30,10 +30,11 @@ import re
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from proxy.governance.recognizers import recognizer_classes
 from proxy.governance.secrets import (
     _AUTH_KEY,
     _AUTH_VALUE,
@@ -50,7 +51,7 @@ from proxy.governance.secrets import (
     _is_reference,
     _kv_span,
     _merge,
-    _phone_windows,
+    glued,
     looks_secret,
 )
 
@@ -103,6 +104,21 @@ def _without_torch() -> Iterator[None]:
                 del sys.modules[name]
 
 
+# Entities that are digit runs: a match glued into an identifier (`-`, `_`, `.`, `/` or a letter
+# touching it) is part of an id, a version or a path, never the value itself.
+_NUMBER_ENTITIES = frozenset({"PHONE_NUMBER", "CREDIT_CARD", "US_SSN", "US_ITIN", "US_BANK_NUMBER", "UK_NHS"})
+
+
+@dataclass
+class _Scan:
+    """One `redact_value` walk: whose content, what was found, and whether it is operator content."""
+
+    tenant: str
+    counts: Counter[str]
+    found: list[tuple[str, str]] | None
+    operator: bool = False
+
+
 def _hash_key(salt: bytes, tenant: str) -> bytes:
     return salt + b"\x00" + tenant.encode()
 
@@ -120,7 +136,7 @@ class Redactor:
     def _build(self) -> None:
         from presidio_analyzer import predefined_recognizers as pr
 
-        email_cls, phone_cls = _recognizer_classes()
+        email_cls, phone_cls, card_cls = recognizer_classes()
         cfg = self.config
         self._nlp = None
         self._nlp_engine = None
@@ -131,7 +147,7 @@ class Redactor:
         presidio: dict[str, Any] = {
             "EMAIL_ADDRESS": email_cls,
             "PHONE_NUMBER": phone_cls,
-            "CREDIT_CARD": pr.CreditCardRecognizer,
+            "CREDIT_CARD": card_cls,
             "IP_ADDRESS": pr.IpRecognizer,
             "IBAN_CODE": pr.IbanRecognizer,
             "US_SSN": pr.UsSsnRecognizer,
@@ -172,6 +188,8 @@ class Redactor:
         self._secret_gates = {e: g for e, g in _SECRET_GATES.items() if e in self.entities}
         self._ner_entities = [e for e in self.entities if e in NER_ENTITIES]
         self._allow = frozenset(cfg.allow_list) | BENIGN_VALUES
+        # Object keys repeat endlessly (`type`, `description`, `properties`): remember the clean ones.
+        self._clean_keys: set[str] = set()
 
     def _load_ner(self, name: str) -> None:
         import logging
@@ -191,17 +209,29 @@ class Redactor:
 
     # -- detection ---------------------------------------------------------------------------------
 
-    def analyze(self, text: str) -> list[tuple[int, int, str, float]]:
-        """Detections as (start, end, entity, score), overlaps merged, allow-list applied."""
+    def analyze(self, text: str, *, key: str | None = None, operator: bool = False
+                ) -> list[tuple[int, int, str, float]]:
+        """Detections as (start, end, entity, score), overlaps merged, allow-list applied.
+
+        `key`: the JSON object key the text sits under, read as context (`{"phone": "4155550132"}`).
+        `operator`: the text is operator content (a system prompt, tool schemas: written by the agent's
+        vendor, not its user), scanned for secrets only; see docs/governance.md.
+        """
         if len(text) < 6:  # shorter than anything detectable (`a@b.io`, `hunter2` needs its key)
             return []
         found: list[tuple[int, int, str, float]] = []
         threshold = self.config.score_threshold
 
-        for entity, recognizer, gate in self._recognizers:
+        for entity, recognizer, gate in () if operator else self._recognizers:
             if gate is not None and gate.search(text) is None:
                 continue
-            for r in recognizer.analyze(text, [entity], None):
+            if entity == "PHONE_NUMBER":
+                hits = recognizer.find(text, key)
+            else:
+                hits = recognizer.analyze(text, [entity], None)
+            for r in hits:
+                if entity in _NUMBER_ENTITIES and glued(text, r.start, r.end):
+                    continue  # a digit run inside an identifier: `run-536-90-4412`, `build_4111...`
                 score = r.score
                 if score < threshold and recognizer.context:
                     score = self._with_context(text, r.start, score, recognizer.context)
@@ -255,10 +285,12 @@ class Redactor:
         digest = hmac.new(_hash_key(self.config.salt, tenant), value.encode(), hashlib.sha256)
         return f"<{entity}:{digest.hexdigest()[:8]}>"
 
-    def redact_text(self, text: str, tenant: str, *, found: list[tuple[str, str]] | None = None) -> RedactionResult:
+    def redact_text(self, text: str, tenant: str, *, found: list[tuple[str, str]] | None = None,
+                    key: str | None = None, operator: bool = False) -> RedactionResult:
         """Redact one text. With `found`, each removed raw value and its replacement are appended to it
-        (in memory only: the governance token guard needs them to clean token ids; never persist them)."""
-        return self._apply(text, self.analyze(text), tenant, found)
+        (in memory only: the governance token guard needs them to clean token ids; never persist them).
+        `key`, `operator`: as for `analyze`."""
+        return self._apply(text, self.analyze(text, key=key, operator=operator), tenant, found)
 
     def _apply(self, text: str, spans: list[tuple[int, int, str, float]], tenant: str,
                found: list[tuple[str, str]] | None = None) -> RedactionResult:
@@ -277,48 +309,82 @@ class Redactor:
         out.append(text[pos:])
         return RedactionResult("".join(out), counts, [(s, e, t) for s, e, t, _ in spans])
 
-    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None
-                     ) -> tuple[Any, dict[str, int]]:
-        """Redact every string leaf of a JSON-like value (dict values, list items; never keys).
+    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None,
+                     operator: bool = False) -> tuple[Any, dict[str, int]]:
+        """Redact a JSON-like value: every string leaf, every object key, and numbers long enough to be
+        a card or phone number (a chat template renders all of them into the prompt).
 
         A string that is itself a JSON object or array (tool call `arguments`, JSON tool results) is
         parsed, redacted leaf by leaf and serialised again, so it stays valid JSON; it is returned
-        unchanged when nothing in it was found. `found`: as for `redact_text`.
+        unchanged when nothing in it was found. A number found to be PII becomes its placeholder string.
+        `found`: as for `redact_text`; `operator`: secrets only (system prompts, tool schemas).
         """
         counts: Counter[str] = Counter()
-        return self._walk(value, tenant, counts, None, found), dict(counts)
+        scan = _Scan(tenant, counts, found, operator)
+        return self._walk(value, scan, None), dict(counts)
 
-    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]:
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False,
+                    operator: Sequence[bool] | None = None) -> list[tuple]:
         """`(tenant, value)` pairs in, `(redacted value, counts)` out, in order. With `with_values`,
         `(redacted value, counts, found)` where `found` lists the (raw value, replacement) pairs removed
-        (for the token guard; raw, so keep them in memory only)."""
+        (for the token guard; raw, so keep them in memory only). `operator[i]`: item i is operator
+        content (secrets only)."""
         out: list[tuple] = []
-        for tenant, value in items:
+        for i, (tenant, value) in enumerate(items):
+            op = bool(operator[i]) if operator is not None else False
             if not with_values:
-                out.append(self.redact_value(value, tenant))
+                out.append(self.redact_value(value, tenant, operator=op))
                 continue
             found: list[tuple[str, str]] = []
-            body, counts = self.redact_value(value, tenant, found=found)
+            body, counts = self.redact_value(value, tenant, found=found, operator=op)
             out.append((body, counts, found))
         return out
 
     def close(self) -> None:
         """Nothing to release: the redactor lives in this process."""
 
-    def _walk(self, value: Any, tenant: str, counts: Counter[str], key: str | None,
-              found: list[tuple[str, str]] | None = None) -> Any:
+    def _walk(self, value: Any, scan: _Scan, key: str | None) -> Any:
         if isinstance(value, str):
-            return self._leaf(value, tenant, counts, key, found)
+            return self._leaf(value, scan, key)
         if isinstance(value, dict):
-            return {
-                k: self._walk(v, tenant, counts, k if isinstance(k, str) else None, found) for k, v in value.items()
-            }
+            out: dict[Any, Any] = {}
+            for k, v in value.items():
+                name = self._key(k, scan) if isinstance(k, str) else k
+                while name in out:  # two keys redacted to the same placeholder: keep both values
+                    name = f"{name}#"
+                out[name] = self._walk(v, scan, k if isinstance(k, str) else None)
+            return out
         if isinstance(value, (list, tuple)):
-            return [self._walk(v, tenant, counts, key, found) for v in value]
+            return [self._walk(v, scan, key) for v in value]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return self._number(value, scan, key)
         return value
 
-    def _leaf(self, text: str, tenant: str, counts: Counter[str], key: str | None,
-              found: list[tuple[str, str]] | None = None) -> str:
+    def _key(self, key: str, scan: _Scan) -> str:
+        """An object key is text too: `{"maria@example.com": {...}}` maps people to values."""
+        if len(key) < 6 or key in self._clean_keys:
+            return key
+        result = self.redact_text(key, scan.tenant, found=scan.found, operator=scan.operator)
+        if not result.counts:
+            if len(self._clean_keys) < 100_000:
+                self._clean_keys.add(key)
+            return key
+        scan.counts.update(result.counts)
+        return result.text
+
+    def _number(self, value: int | float, scan: _Scan, key: str | None) -> int | float | str:
+        """A bare JSON number can be a card (Luhn-valid, a known scheme) or, under a key such as
+        `phone`, a phone number; shorter than seven digits it is neither."""
+        text = repr(value) if isinstance(value, float) else str(value)
+        if scan.operator or sum(c.isdigit() for c in text) < 7:
+            return value
+        result = self.redact_text(text, scan.tenant, found=scan.found, key=key)
+        if not result.counts:
+            return value
+        scan.counts.update(result.counts)
+        return result.text
+
+    def _leaf(self, text: str, scan: _Scan, key: str | None) -> str:
         stripped = text.strip()
         if len(stripped) >= 2 and stripped[0] in "{[" and stripped[-1] in "}]":
             try:
@@ -326,17 +392,16 @@ class Redactor:
             except ValueError:
                 parsed = None
             if isinstance(parsed, (dict, list)):
-                inner: Counter[str] = Counter()
-                inner_found: list[tuple[str, str]] = []
-                redacted = self._walk(parsed, tenant, inner, None, inner_found)
-                if not inner:
+                inner = _Scan(scan.tenant, Counter(), [], scan.operator)
+                redacted = self._walk(parsed, inner, None)
+                if not inner.counts:
                     return text
-                counts.update(inner)
-                if found is not None:
-                    found.extend(inner_found)
+                scan.counts.update(inner.counts)
+                if scan.found is not None:
+                    scan.found.extend(inner.found or ())
                 return json.dumps(redacted, ensure_ascii=False)
         leaf_found: list[tuple[str, str]] = []
-        result = self.redact_text(text, tenant, found=leaf_found)
+        result = self.redact_text(text, scan.tenant, found=leaf_found, key=key, operator=scan.operator)
         # The key of a dict leaf is context the text itself lacks: {"api_key": "..."},
         # {"Authorization": "Bearer ..."}. Used when the value alone showed nothing.
         if not result.counts and key is not None and self._key_says_secret(key, text):
@@ -344,14 +409,14 @@ class Redactor:
             if entity in self.entities and text.strip() not in self._allow:
                 m = _AUTH_VALUE.match(text) if entity == "AUTH_HEADER" else None
                 start = m.start("s") if m else 0
-                counts[entity] += 1
-                replacement = self._replacement(entity, text[start:], tenant)
-                if found is not None:
-                    found.append((text[start:], replacement))
+                scan.counts[entity] += 1
+                replacement = self._replacement(entity, text[start:], scan.tenant)
+                if scan.found is not None:
+                    scan.found.append((text[start:], replacement))
                 return text[:start] + replacement
-        counts.update(result.counts)
-        if found is not None:
-            found.extend(leaf_found)
+        scan.counts.update(result.counts)
+        if scan.found is not None:
+            scan.found.extend(leaf_found)
         return result.text
 
     @staticmethod
@@ -364,60 +429,27 @@ class Redactor:
         return False
 
 
-# --------------------------------------------------------------------------------------------------
-# Presidio recognizers adapted for speed and offline use. Defined on first use: Presidio is imported
-# only inside `_without_torch`.
+# pydantic's validation messages quote the offending input (`input_value='...'`), cut in the middle when
+# long (`'maria.gonzalez@...-555-0132'`): fragments no recognizer can know for what they were. vLLM's 400s
+# are such messages. The quote goes; the rest (which field, what was expected) stays for debugging.
+_ECHOED_INPUT = re.compile(r"input_value=.*?, input_type=", re.S)
 
 
-_CLASSES: tuple[Any, Any] | None = None
-
-
-def _recognizer_classes() -> tuple[Any, Any]:
-    global _CLASSES
-    if _CLASSES is None:
-        _CLASSES = _define_recognizers()
-    return _CLASSES
-
-
-def _define_recognizers() -> tuple[Any, Any]:
-    import phonenumbers
-    import tldextract
-    from presidio_analyzer import EntityRecognizer
-    from presidio_analyzer.predefined_recognizers import EmailRecognizer, PhoneRecognizer
-
-    # The bundled public suffix snapshot, no fetch, no cache directory.
-    extractor = tldextract.TLDExtract(suffix_list_urls=(), cache_dir=None, fallback_to_snapshot=True)
-
-    class OfflineEmailRecognizer(EmailRecognizer):
-        def validate_result(self, pattern_text: str) -> bool:
-            return extractor(pattern_text).fqdn != ""
-
-    class WindowedPhoneRecognizer(PhoneRecognizer):
-        """python-phonenumbers over the whole text costs ~5 ms/KB (eight regions); it only ever
-        matches digit runs, so it is given the runs with a little margin and offsets are shifted back."""
-
-        def analyze(self, text, entities, nlp_artifacts=None):  # type: ignore[override]
-            results = []
-            for ws, we in _phone_windows(text):
-                window = text[ws:we]
-                for region in self.supported_regions:
-                    for match in phonenumbers.PhoneNumberMatcher(window, region, leniency=self.leniency):
-                        result = self._get_recognizer_result(match, window, region, nlp_artifacts)
-                        result.start += ws
-                        result.end += ws
-                        results.append(result)
-            return EntityRecognizer.remove_duplicates(results)
-
-    return OfflineEmailRecognizer, WindowedPhoneRecognizer
+def elide_echoes(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A step's error with the request values its message echoes removed (redaction still follows)."""
+    if not error or not isinstance(error.get("message"), str):
+        return error
+    return {**error, "message": _ECHOED_INPUT.sub("input_value=<elided>, input_type=", error["message"])}
 
 
 class TextRedactor(Protocol):
     """What the writer, replay and the control routes need from a redactor (in-process or pooled)."""
 
-    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None
-                     ) -> tuple[Any, dict[str, int]]: ...
+    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None,
+                     operator: bool = False) -> tuple[Any, dict[str, int]]: ...
 
-    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]: ...
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False,
+                    operator: Sequence[bool] | None = None) -> list[tuple]: ...
 
     def close(self) -> None: ...
 
@@ -436,15 +468,16 @@ class LazyRedactor:
                 self._r = Redactor(RedactionConfig(salt=self._secret))
             return self._r
 
-    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None
-                     ) -> tuple[Any, dict[str, int]]:
-        return self.get().redact_value(value, tenant, found=found)
+    def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None,
+                     operator: bool = False) -> tuple[Any, dict[str, int]]:
+        return self.get().redact_value(value, tenant, found=found, operator=operator)
 
     def redact_text(self, text: str, tenant: str) -> RedactionResult:
         return self.get().redact_text(text, tenant)
 
-    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]:
-        return self.get().redact_many(items, with_values=with_values)
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False,
+                    operator: Sequence[bool] | None = None) -> list[tuple]:
+        return self.get().redact_many(items, with_values=with_values, operator=operator)
 
     def close(self) -> None:
         """Nothing to release: the redactor lives in this process."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -16,9 +17,10 @@ def _init_worker(config: RedactionConfig) -> None:
     _worker = Redactor(config)
 
 
-def _redact_chunk(items: list[tuple[str, Any]], with_values: bool = False) -> list[tuple]:
+def _redact_chunk(items: list[tuple[str, Any]], with_values: bool = False,
+                  operator: list[bool] | None = None) -> list[tuple]:
     assert _worker is not None
-    return _worker.redact_many(items, with_values=with_values)
+    return _worker.redact_many(items, with_values=with_values, operator=operator)
 
 
 def _text_size(value: Any) -> int:
@@ -96,18 +98,20 @@ class RedactionPool:
         if self._executor is not None:
             list(self._executor.map(_redact_chunk, [[] for _ in range(self.max_workers)]))
 
-    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> list[tuple]:
+    def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False,
+                    operator: Sequence[bool] | None = None) -> list[tuple]:
         """As `Redactor.redact_many`, spread over the workers."""
-        return self.submit_many(items, with_values=with_values).result()
+        return self.submit_many(items, with_values=with_values, operator=operator).result()
 
-    def submit_many(self, items: list[tuple[str, Any]], *, with_values: bool = False) -> PendingRedaction:
+    def submit_many(self, items: list[tuple[str, Any]], *, with_values: bool = False,
+                    operator: Sequence[bool] | None = None) -> PendingRedaction:
         """Like `redact_many` but returns at once; `.result()` waits. Lets a writer hash and queue the
         next batch while this one is scanned."""
         if not items:
             return PendingRedaction([], [])
         sizes = [_text_size(v) for _, v in items]
         if self._executor is None or len(items) == 1 or sum(sizes) < self.inline_chars:
-            done = self.local.redact_many(items, with_values=with_values)
+            done = self.local.redact_many(items, with_values=with_values, operator=operator)
             return PendingRedaction([list(range(len(items)))], [_Done(done)])
         # Balance by text size, not item count: one 40 KB tool result must not sit with ten others.
         n = min(self.max_workers * 2, len(items))
@@ -118,7 +122,11 @@ class RedactionPool:
             chunks[j].append(i)
             loads[j] += sizes[i] + 200  # per-item overhead
         chunks = [c for c in chunks if c]
-        futures = [self._executor.submit(_redact_chunk, [items[i] for i in c], with_values) for c in chunks]
+        futures = [
+            self._executor.submit(_redact_chunk, [items[i] for i in c], with_values,
+                                  [bool(operator[i]) for i in c] if operator is not None else None)
+            for c in chunks
+        ]
         return PendingRedaction(chunks, futures)
 
     def close(self) -> None:

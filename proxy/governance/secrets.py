@@ -108,6 +108,10 @@ _PLACEHOLDER_WORDS = frozenset(
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z_.]*")  # code such as `password = self.password`
 
 
+# A version, not a credential: `image/token:2.16.3-rc.2`, `token_version: v0.32.1+cpu`.
+_VERSION = re.compile(r"v?\d+(?:\.\d+)+(?:[-+.~]?[A-Za-z0-9]+(?:\.\d+)*)?")
+
+
 _PASSWORD_KEY = re.compile(r"(?i)(?:password|passwd|passphrase|pwd|pass)$")
 
 
@@ -136,7 +140,7 @@ def looks_secret(value: str, key: str, *, quoted: bool, env_line: bool = False) 
     key = key.strip("\"' ").lower()
     if _PASSWORD_KEY.search(key):
         return quoted or env_line or not _IDENTIFIER.fullmatch(value)
-    if len(value) < 8 or not any(c.isalpha() for c in value):
+    if len(value) < 8 or not any(c.isalpha() for c in value) or _VERSION.fullmatch(value):
         return False
     has_digit = any(c.isdigit() for c in value)
     has_symbol = any(not c.isalnum() for c in value)
@@ -272,18 +276,26 @@ _SECRET_GATES: dict[str, tuple[tuple[str, ...], bool]] = {  # entity -> (literal
 }  # fmt: skip
 
 
-def _phone_windows(text: str) -> Iterator[tuple[int, int]]:
-    """Short windows around digit runs that could be phone numbers (>= 7 digits)."""
+def _phone_windows(text: str, key: str | None = None) -> Iterator[tuple[int, int]]:
+    """Short windows around digit runs that could be phone numbers as they are written in text (>= 7
+    digits, see `AgentPhoneRecognizer`): python-phonenumbers, the costly part of a scan, only sees these."""
     last_end = -1
     start = end = -1
     for m in _PHONE_CANDIDATE.finditer(text):
         candidate = m.group()
         if sum(c.isdigit() for c in candidate) < 7 or _DATE.fullmatch(candidate.strip()):
             continue  # logs are full of ISO dates; no region parses them as phone numbers
+        if _DECIMAL.fullmatch(candidate):
+            continue  # `16.498936`
         if candidate.isdigit() and (_word_at(text, m.start() - 1) or _word_at(text, m.end())):
             # Digits glued to letters (hex ids: phonenumbers at leniency VALID rejects these too) or
             # to an identifier (`call_104640775`, `req_2125551234`) are ids, not phone numbers.
             continue
+        if not any(c.isspace() for c in candidate) and glued(text, m.start(), m.end()):
+            continue  # `haiku-4-5-20251001`, `10:23:45.123456`: inside an identifier or a time
+        if (candidate[0] != "+" and not _DIGIT_SEP.search(candidate)
+                and not has_phone_context(text, m.start(), key)):
+            continue  # a lone digit run is a phone number only next to a phone word
         s, e = max(0, m.start() - 4), min(len(text), m.end() + 4)
         if s <= last_end:  # merge neighbours so a number is never cut in two
             end = e
@@ -296,6 +308,10 @@ def _phone_windows(text: str) -> Iterator[tuple[int, int]]:
         yield start, end
 
 
+_DECIMAL = re.compile(r"\d+\.\d+")
+_DIGIT_SEP = re.compile(r"\d[ \t().\-/]+\d|\(\d")
+
+
 def _word_at(text: str, i: int) -> bool:
     return 0 <= i < len(text) and (text[i] == "_" or (text[i].isascii() and text[i].isalpha()))
 
@@ -304,6 +320,68 @@ _PHONE_CANDIDATE = _c(r"[+(]?\d[\d \t().\-/]{5,}\d")
 
 
 _DATE = _c(r"\d{4}([-/.])\d{1,2}\1\d{1,2}|\d{1,2}([-/.])\d{1,2}\2\d{4}")
+
+
+# --- precision on agent traffic ---------------------------------------------------------------------
+# Agent prompts and tool output are full of digit runs that parse as phone numbers or pass Luhn:
+# model ids with dates (`claude-haiku-4-5-20251001`), versions, epoch timestamps, line numbers, ids.
+# The rules below say what a real phone number or card number looks like in text; each is measured
+# by bench/redaction_quality.py (tuned on its dev split).
+
+# Characters that join a digit run to a word around it: `haiku-4-5-20251001`, `v0.32.1`, `run_2024`,
+# `src/2025/01`. A value glued on by one of them is part of an identifier, not a standalone number.
+# `:` joins only after a digit (`10:23:31 2019 -0700`, `host:8080`), so `tel:+1...` still counts.
+_GLUE = frozenset("-_./")
+
+
+def glued(text: str, start: int, end: int) -> bool:
+    """Is text[start:end] part of a longer identifier (letters/digits touching it, directly or across a
+    joining character such as `-` or `.`)?"""
+    before = text[start - 1] if start > 0 else ""
+    after = text[end] if end < len(text) else ""
+    if before.isalnum() or after.isalnum():
+        return True
+    if start > 1 and (before in _GLUE or (before == ":" and text[start - 2].isdigit())) and text[start - 2].isalnum():
+        return True
+    return after in _GLUE and end + 1 < len(text) and text[end + 1].isalnum()
+
+
+# Words that make a number a phone number, as whole words (Presidio's list without `number`, which
+# also precedes line, build and version numbers in agent text; substrings would let `string` say
+# `ring` and `hotel` say `tel`).
+_PHONE_WORDS = re.compile(r"(?i)\b(?:phone|telephone|tel|cell|cellphone|mobile|call|fax|whatsapp|sms|dial|contact)\b")
+# JSON keys that name a phone number (`phone`, `mobile_number`, `faxNumber`, `tel`), not `call_id`.
+_PHONE_KEY = re.compile(r"(?i)(?:phone|mobile|cell|fax|whatsapp|msisdn|^tel(?:ephone)?(?:[_-]?(?:no|number))?$)")
+
+
+def has_phone_context(text: str, start: int, key: str | None, window: int = 40) -> bool:
+    """A phone word in the JSON key the value sits under, or in the `window` characters before it."""
+    if key is not None and _PHONE_KEY.search(key):
+        return True
+    # The words must be on the value's own line: `tel +1 ...` does not make the next line's number one.
+    line_start = text.rfind("\n", 0, start) + 1
+    return _PHONE_WORDS.search(text, max(line_start, start - window), start) is not None
+
+
+def digit_groups(text: str) -> list[int]:
+    """Lengths of the digit runs of a formatted number: `+1 (415) 555-0132` -> [1, 3, 3, 4]."""
+    return [len(g) for g in re.findall(r"\d+", text)]
+
+
+# Card schemes by IIN prefix and the lengths they issue. Presidio's pattern also admits a `1` prefix
+# (UATP), which is what 13-digit epoch milliseconds look like.
+_CARD_SCHEMES: tuple[tuple[re.Pattern[str], tuple[int, ...]], ...] = (
+    (re.compile(r"4"), (13, 16, 19)),  # Visa
+    (re.compile(r"5[1-5]|2(?:2[2-9]|[3-6]\d|7[01]|720)"), (16,)),  # Mastercard
+    (re.compile(r"3[47]"), (15,)),  # Amex
+    (re.compile(r"6(?:011|5|4[4-9])|62"), (16, 17, 18, 19)),  # Discover, UnionPay
+    (re.compile(r"35(?:2[89]|[3-8])"), (16, 17, 18, 19)),  # JCB
+    (re.compile(r"3(?:0[0-5]|[68])"), (14, 16, 19)),  # Diners
+)
+
+
+def card_scheme_ok(digits: str) -> bool:
+    return any(p.match(digits) and len(digits) in lengths for p, lengths in _CARD_SCHEMES)
 
 
 # Gates for Presidio's pattern recognizers (entity -> regex that must match somewhere first).

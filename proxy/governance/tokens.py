@@ -248,7 +248,7 @@ class TokenGuard:
                 values = None if parent is None else set(parent)
             if values is not None:
                 new = self._values_of(tenant, [refs.get("system"), refs.get("tools"), *refs.get("messages", []),
-                                               refs.get("output")], counts_of)
+                                               *refs.get("extras", []), refs.get("output")], counts_of)
                 values = None if new is None else values | new
             if values is not None:
                 self._steps.put(st.step_id, tuple(values))

@@ -153,6 +153,24 @@ class CapturedStep:
     transcript_hash: str | None
     client_info: dict[str, Any] = field(default_factory=dict)
     replay_of: str | None = None
+    # Fields of history messages that a chat template renders but the continuation key ignores
+    # (`name`, `reasoning_content`): raw, scanned by the writer so token ids never carry them unseen.
+    history_extras: list[dict[str, Any]] = field(default_factory=list)
+
+
+# Message fields a chat template may render that `proxy.sessions.match_key` does not compare.
+UNKEYED_FIELDS = ("name", "reasoning_content", "reasoning")
+
+
+def history_extras(history: list[Any]) -> list[dict[str, Any]]:
+    """The unkeyed fields of a call's history messages, one dict per message that has any."""
+    out = []
+    for m in history:
+        if isinstance(m, dict) and "role" in m:  # messages, not Responses items (their `name` is keyed)
+            extra = {k: m[k] for k in UNKEYED_FIELDS if m.get(k) not in (None, "")}
+            if extra:
+                out.append(extra)
+    return out
 
 
 SAMPLING_PARAMS = (

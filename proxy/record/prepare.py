@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from atdp_schema.models import TokenSource
 from proxy.governance.policy import TenantPolicy, decide_eligibility
-from proxy.governance.redaction import TextRedactor
+from proxy.governance.redaction import TextRedactor, elide_echoes
 from proxy.governance.tokens import TokenDecision, TokenGuard
 from proxy.lru import LRU
 from proxy.record.capture import CapturedStep
@@ -30,6 +30,12 @@ from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle
 from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
 
 TokenPolicy = Callable[..., TokenDecision]
+
+# Content kinds scanned as operator content: secrets only, no PII recognizers. Tool schemas are
+# written by the agent's vendor and are full of ids, versions, dates and examples; system prompts are
+# not on this list because applications template user data into them (names, emails, account
+# details). docs/governance.md, "What is scanned".
+OPERATOR_KINDS = frozenset({"tools"})
 
 
 class TokenCache:
@@ -67,14 +73,16 @@ def retention_until(started_at: datetime, policy: TenantPolicy) -> datetime | No
 def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any], contents: list[ContentRow],
                 tool_calls: list[ToolCallRow], tokens: TokenDecision, prefix_len: int, redaction: dict[str, int],
                 eligibility: str, reason: str, retention: datetime | None,
-                message_hashes: list[str] | None = None) -> StepRecord:
-    """The record of one captured call, from what preparing it decided (pure)."""
+                message_hashes: list[str] | None = None, params: dict[str, Any] | None = None,
+                error: dict[str, Any] | None = None) -> StepRecord:
+    """The record of one captured call, from what preparing it decided (pure). `params` and `error`:
+    their redacted forms (the captured ones are raw)."""
     return StepRecord(
         id=st.step_id, session=session, api=st.api, status=st.status, started_at=st.started_at,
-        parent_step_id=st.parent_step_id, error=st.error, upstream=st.upstream, model=st.model,
+        parent_step_id=st.parent_step_id, error=error, upstream=st.upstream, model=st.model,
         model_version=st.model_version, system_hash=refs["system"], tools_hash=refs["tools"],
         history_len=st.history_len, message_hashes=refs["messages"] if message_hashes is None else message_hashes,
-        params=st.params, transcript_hash=st.transcript_hash, output_hash=refs["output"], contents=contents,
+        params=params if params is not None else {}, transcript_hash=st.transcript_hash, output_hash=refs["output"], contents=contents,
         tool_calls=tool_calls,
         tool_results=[ToolResultRow(call_id=r.call_id, result_hash=h, is_error=r.is_error) for r, h in refs["results"]],
         token_source=tokens.source, prompt_prefix_len=prefix_len, prompt_token_ids=tokens.prompt_ids[prefix_len:],
@@ -110,6 +118,9 @@ class Preparer:
         self._known: LRU = LRU(500_000)  # (tenant, hash) -> redaction counts of stored content
         self._context_redacted: LRU = LRU(200_000)  # step id -> its prompt+output touched redacted text
         self._outputs: LRU = LRU(10_000)  # redacted assistant outputs, for tool-call rows
+        # (tenant, hash) -> (redacted value, counts) of what a step carries besides its contents:
+        # params, error, history fields the continuation key ignores. Scanned once, never stored as contents.
+        self._side: LRU = LRU(50_000)
         self.tokens = TokenCache()
         self._policies: dict[str, tuple[float, TenantPolicy]] = {}
         self._lock = threading.Lock()
@@ -140,6 +151,7 @@ class Preparer:
         # 1. Content-address everything and collect the distinct contents not yet redacted.
         planned: list[tuple[CapturedStep, dict[str, Any]]] = []
         todo: dict[tuple[str, str], tuple[str, Any]] = {}
+        side_todo: dict[tuple[str, str], Any] = {}
         for st in steps:
             tenant = st.session.tenant
             items: dict[str, Any] = {}
@@ -151,6 +163,14 @@ class Preparer:
                     todo.setdefault((tenant, h), (kind, value))
                 return h
 
+            def side(value: Any, tenant: str = tenant) -> str | None:
+                if not _has_text(value):
+                    return None
+                h = content_hash(self.secret, value)
+                if (tenant, h) not in self._side:
+                    side_todo.setdefault((tenant, h), value)
+                return h
+
             refs = {
                 "system": add("system", st.system) if st.system is not None else None,
                 "tools": add("tools", st.tools) if st.tools else None,
@@ -158,6 +178,9 @@ class Preparer:
                 "output": add("output", st.action),
                 "results": [(r, add("tool_result", r.content)) for r in st.tool_results],
                 "items": items,
+                "params": side(st.params),
+                "error": side(elide_echoes(st.error)),
+                "extras": [h for h in (side(x) for x in st.history_extras) if h],
             }
             planned.append((st, refs))
 
@@ -166,15 +189,21 @@ class Preparer:
         # only, so it can find them in token ids.
         remember = self.token_policy.remember if isinstance(self.token_policy, TokenGuard) else None
         keys = list(todo)
-        if keys:
+        side_keys = list(side_todo)
+        redacted: dict[tuple[str, str], tuple] = {}
+        if keys or side_keys:
             values = [(tenant, todo[(tenant, h)][1]) for tenant, h in keys]
-            results = self.redactor.redact_many(values, with_values=remember is not None)
-            redacted = {k: r for k, r in zip(keys, results, strict=True)}
+            values += [(tenant, side_todo[(tenant, h)]) for tenant, h in side_keys]
+            operator = [todo[k][0] in OPERATOR_KINDS for k in keys] + [False] * len(side_keys)
+            results = self.redactor.redact_many(values, with_values=remember is not None, operator=operator)
+            redacted = {k: r for k, r in zip(keys, results, strict=False)}
+            for k, r in zip(side_keys, results[len(keys):], strict=True):
+                self._side.put(k, (r[0], dict(r[1])))
+                if remember is not None:
+                    remember(k[0], k[1], r[2])
             if remember is not None:
                 for (tenant, h), r in redacted.items():
                     remember(tenant, h, r[2])
-        else:
-            redacted = {}
 
         # 3. Records.
         out: list[StepRecord] = []
@@ -191,21 +220,31 @@ class Preparer:
                     if kind == "output":
                         self._outputs.put((tenant, h), body)
                 counts_of[h] = self._known.get((tenant, h), {})
+            for h in refs["extras"]:
+                counts_of[h] = self._side_value(tenant, h)[1]
             out.append(self._record(st, refs, contents, counts_of))
         return out
 
     def _record(self, st: CapturedStep, refs: dict, contents: list[ContentRow], counts_of: dict) -> StepRecord:
         tenant = st.session.tenant
         policy = self._policy(tenant)
-        new_hashes = [refs["messages"], [refs["system"], refs["tools"]]]
+        # History fields the continuation key ignores (`name`, `reasoning_content`) are rendered into
+        # the prompt like new messages: what they held counts as the prompt's.
+        new_hashes = [refs["messages"], [refs["system"], refs["tools"]], refs["extras"]]
         input_counts: dict[str, int] = {}
-        for h in [h for group in new_hashes for h in group if h]:
+        # Each content once: a chat system message is both the system prompt and the first message.
+        for h in dict.fromkeys(h for group in new_hashes for h in group if h):
             for k, v in counts_of.get(h, {}).items():
                 input_counts[k] = input_counts.get(k, 0) + v
         output_counts = counts_of.get(refs["output"], {})
         report = dict(input_counts)
-        for k, v in output_counts.items():
-            report[k] = report.get(k, 0) + v
+        params, params_counts = self._side_value(tenant, refs["params"], st.params)
+        error, error_counts = self._side_value(tenant, refs["error"], elide_echoes(st.error))
+        # Params (stop strings, response_format schemas) and the error message are stored, not
+        # rendered into the prompt: they count in the step's report, not against its token ids.
+        for counts in (output_counts, params_counts, error_counts):
+            for k, v in counts.items():
+                report[k] = report.get(k, 0) + v
 
         # Token ids carry the raw text: if the prompt or output touched redacted text, the
         # governance token policy decides (re-derive, mask, or drop); by default: drop.
@@ -238,7 +277,7 @@ class Preparer:
             tool_calls=[ToolCallRow(call_id=tc["id"], name=tc["name"], arguments=self._redacted_args(tc, refs, st))
                         for tc in st.action.get("tool_calls", []) if tc.get("id")],
             tokens=tokens, prefix_len=prefix_len, redaction=report, eligibility=eligibility, reason=reason,
-            retention=retention_until(st.started_at, policy),
+            retention=retention_until(st.started_at, policy), params=params, error=error,
         )
 
     def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:
@@ -257,6 +296,17 @@ class Preparer:
             self._policies.pop(tenant, None)
             if isinstance(self.token_policy, TokenGuard):
                 self.token_policy.forget(tenant, content_hashes=content_hashes, step_ids=step_ids)
+
+    def _side_value(self, tenant: str, h: str | None, raw: Any = None) -> tuple[Any, dict[str, int]]:
+        """The redacted form of a side value (params, error, history extras) and what was found.
+        `h` None: the value holds no text, so it is stored as it came."""
+        if h is None:
+            return raw, {}
+        hit = self._side.get((tenant, h))
+        if hit is None:  # evicted between scan and record (a very large batch): store nothing raw
+            return ({"type": raw.get("type"), "status_code": raw.get("status_code")} if isinstance(raw, dict)
+                    and "message" in raw else {}), {}
+        return hit
 
     def _redacted_args(self, tc: dict, refs: dict, st: CapturedStep) -> Any:
         """A tool call's arguments as stored: taken from the redacted output content."""
@@ -284,3 +334,16 @@ class Preparer:
             return True
         return row.token_source != TokenSource.engine or bool(row.redaction)
 
+
+def _has_text(value: Any) -> bool:
+    """Whether a value holds anything redaction could find: a string of 6+ characters, an object key,
+    or a number of 7+ digits. Most params (`temperature`, `max_tokens`) hold none."""
+    if isinstance(value, str):
+        return len(value) >= 6
+    if isinstance(value, dict):
+        return any(len(k) >= 6 or _has_text(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_text(v) for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return len(str(abs(value))) >= 7
+    return False

@@ -163,7 +163,9 @@ class Recorder:
                     id=st.step_id, session=SessionInfo(tenant_id=st.session.tenant, external_id=st.session.external_id,
                                                        client=st.session.client, task_id=st.session.task_id),
                     api=st.api, status=st.status, started_at=st.started_at, parent_step_id=st.parent_step_id,
-                    error=st.error, upstream=st.upstream, model=st.model, model_version=st.model_version,
+                    # Unredacted, so only the error's type and status, never its message.
+                    error={k: st.error.get(k) for k in ("type", "status_code")} if st.error else None,
+                    upstream=st.upstream, model=st.model, model_version=st.model_version,
                     history_len=st.history_len, token_source=TokenSource.dropped, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
                     prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens,
                     eligibility=Eligibility.quarantined, eligibility_reason=f"redaction failed: {type(e).__name__}",

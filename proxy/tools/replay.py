@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from atdp_schema.models import Eligibility, TokenSource
 from proxy.governance.policies import Policies
-from proxy.governance.redaction import TextRedactor
+from proxy.governance.redaction import TextRedactor, elide_echoes
 from proxy.store import tables as t
 
 REPLAY_CLIENT = "atdp-replay"
@@ -188,6 +188,8 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
 
             action = cap.action(cap.assistant_message() if status == "ok" else None)
             (out_body, counts), = _redact(redactor, tenant_id, [action])
+            # vLLM's 400s echo the request: the stored error is redacted like any other text.
+            stored_error = _redact(redactor, tenant_id, [elide_echoes(error)])[0][0] if error else None
             out_hash = content_hash(secret, action)
             parent = replay_ids.get(st.parent_step_id) if st.parent_step_id else None
             step_id = new_id()
@@ -223,6 +225,7 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
                             for tc in out_body.get("tool_calls", []) if tc.get("id")],
                 tokens=tokens, prefix_len=prefix, redaction=dict(counts), eligibility=Eligibility.debug_only,
                 reason=f"replay of step {st.id}", retention=retention_until(started, policy),
+                params=st.params or {}, error=stored_error,
             )
             with factory() as s, s.begin():
                 write_steps(s, [record], new_id)

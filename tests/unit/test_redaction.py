@@ -106,14 +106,15 @@ def test_json_strings_stay_valid_json(redactor: Redactor) -> None:
     assert "fastmail" not in out
 
 
-def test_keys_are_kept_values_are_redacted(redactor: Redactor) -> None:
+def test_keys_and_values_are_redacted(redactor: Redactor) -> None:
+    # A chat template renders object keys as text: an email used as a key is PII like any other.
     value = {
         "maria.gonzalez@fastmail.com": "owner",
         "contact": ["j.smith+billing@acme-corp.io", 42, True, None],
     }
     out, counts = redactor.redact_value(value, "acme")
-    assert out == {"maria.gonzalez@fastmail.com": "owner", "contact": ["<EMAIL_ADDRESS>", 42, True, None]}
-    assert counts == {"EMAIL_ADDRESS": 1}
+    assert out == {"<EMAIL_ADDRESS>": "owner", "contact": ["<EMAIL_ADDRESS>", 42, True, None]}
+    assert counts == {"EMAIL_ADDRESS": 2}
 
 
 def test_key_context_for_dict_leaves(redactor: Redactor) -> None:

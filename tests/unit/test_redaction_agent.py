@@ -1,0 +1,142 @@
+"""Redaction on agent traffic: the false positives that made real agents untrainable, and the misses
+(object keys, bare JSON numbers, operator content scanned for secrets only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.governance.redaction import RedactionConfig, Redactor
+from tests.pii_corpus import SEEDED
+
+
+@pytest.fixture(scope="module")
+def redactor() -> Redactor:
+    return Redactor(RedactionConfig(salt=b"test-salt"))
+
+
+# One line per false-positive class seen in agent prompts and tool output.
+NOT_PII = {
+    "model id with a date": "Use 'claude-haiku-4-5-20251001' for quick tasks, gpt-4o-2024-08-06 otherwise.",
+    "model ids in JSON": '{"model": "claude-sonnet-4-5-20250929", "fallback": "claude-opus-4-1-20250805"}',
+    "versions": "bumped presidio 2.2.366 -> v0.32.1, node v20.11.1, torch==2.13.0+cpu, 1.2.3-rc.4, 10.0.19045.4529",
+    "version under a token key": "image: acme/token:2.16.3-rc.2 tokenizer_version: 0.21.1",
+    "ISO dates and timestamps": "2024-06-11T10:23:45.123456+00:00 2025-10-01 12:00:01 2026/01/31 14:02 20251001 31/12/2025",
+    "git date line": "Date:   Tue Jun 11 10:23:31 2019 -0700\nDate:   Mon Mar 3 01:02:47 2023 +0530",
+    "git hashes": "commit 3f2a9c1b7e4d5a6b8c9d0e1f2a3b4c5d6e7f8a9b\nMerge: 4151555 0132987\nabc1234 (HEAD -> main)",
+    "uuids": "session 0190a7c2-5e3b-7d41-9f2a-3c8e6b1d4f70 run 41555501-3200-4000-8000-000000000001",
+    "hex digests": "sha256:4155550132a8f5f167f44f4964e6c998dee827110c4155550132a8f5f167f44f49 md5 2125551234abcdef",
+    "ports": "listening on 127.0.0.1:41555, 0.0.0.0:8080->80/tcp, [::]:21708->7756/tcp, host:4155550132",
+    "line numbers": "src/proxy/redaction.py:4155550 and app.js:2125551234:12, File \"/srv/x.py\", line 4155550132",
+    "paths": "/home/dev/2024/4155550132/out.json ./runs/2125551234/log.txt C:\\\\builds\\\\6175550100\\\\x",
+    "request ids": "request_id=req_2125551234 call_0_104640775 toolu_01A4155550132 evt_6175550100",
+    "epoch timestamps": "created 1717602776 at 1717602776123 (ns 1717602776123456789) pid 4155550",
+    "decimals": "loss 16.498936 ratio 0.561123720002216 took 4155550.132 ms",
+    "arithmetic": "x = 0x1f3a + 672353541 - 2125551234",
+    "cat -n listing": "  1201\tTIMEOUT_MS = 415555  # changed 2024-06-11\n  1202\tBUILD = 2125551234",
+    "epoch ms that passes Luhn": "created_at_ms 1717602776125 1648225533012",
+    "sizes and counts": "mem 1073741824 bytes, 4111111111 rows, size_bytes: 6057375422",
+}
+
+
+@pytest.mark.parametrize("text", NOT_PII.values(), ids=NOT_PII.keys())
+def test_agent_lookalikes_are_not_pii(redactor: Redactor, text: str) -> None:
+    result = redactor.redact_text(text, "t")
+    assert result.counts == {}, [text[s:e] for s, e, _ in result.spans]
+
+
+PHONES = {
+    "international": "+1 415-555-0132",
+    "E.164": "+14155550132",
+    "national US": "(415) 555-0132",
+    "UK": "+44 20 7946 0958",
+    "with a phone word, bare digits": "call me on 4155550132",
+    "with a phone word, dashes": "Tel: 415-555-0132",
+}
+
+
+@pytest.mark.parametrize("text", PHONES.values(), ids=PHONES.keys())
+def test_phone_numbers_written_as_phone_numbers_are_found(redactor: Redactor, text: str) -> None:
+    result = redactor.redact_text(f"notes: {text}, thanks", "t")
+    assert result.counts == {"PHONE_NUMBER": 1}, result.text
+
+
+def test_a_phone_word_on_another_line_is_not_context(redactor: Redactor) -> None:
+    text = "tel +1 201-325-6888\n  \"size_bytes\": 6057375422,"
+    assert redactor.redact_text(text, "t").text == "tel <PHONE_NUMBER>\n  \"size_bytes\": 6057375422,"
+
+
+def test_object_keys_are_scanned_and_colliding_keys_both_kept(redactor: Redactor) -> None:
+    value = {"maria.gonzalez@fastmail.com": 3, "j.smith+billing@acme-corp.io": 5, "description": "x"}
+    out, counts = redactor.redact_value(value, "t")
+    assert counts == {"EMAIL_ADDRESS": 2}
+    assert sorted(out.values(), key=str) == [3, 5, "x"]
+    assert "fastmail" not in json.dumps(out) and "acme-corp" not in json.dumps(out)
+
+
+def test_bare_json_numbers_are_scanned(redactor: Redactor) -> None:
+    value = {
+        "card": 4111111111111111,
+        "phone": 14155550132,
+        "mobile_number": 4155550132,
+        "items": [{"amex": 378282246310005}],
+        "created": 1717602776,
+        "id": 2125551234,
+        "ratio": 0.5,
+        "count": 12,
+    }
+    out, counts = redactor.redact_value(value, "t")
+    assert counts == {"CREDIT_CARD": 2, "PHONE_NUMBER": 2}
+    assert out["card"] == "<CREDIT_CARD>" and out["items"][0]["amex"] == "<CREDIT_CARD>"
+    assert out["phone"] == "<PHONE_NUMBER>" and out["mobile_number"] == "<PHONE_NUMBER>"
+    # Numbers without a reason to be PII stay numbers.
+    assert (out["created"], out["id"], out["ratio"], out["count"]) == (1717602776, 2125551234, 0.5, 12)
+
+
+def test_numbers_inside_a_json_tool_result_string(redactor: Redactor) -> None:
+    result = json.dumps({"customer": {"phone": 14155550132, "card": 4111111111111111, "orders": 3}})
+    found: list[tuple[str, str]] = []
+    out, counts = redactor.redact_value({"role": "tool", "content": result}, "t", found=found)
+    assert counts == {"PHONE_NUMBER": 1, "CREDIT_CARD": 1}
+    assert json.loads(out["content"]) == {"customer": {"phone": "<PHONE_NUMBER>", "card": "<CREDIT_CARD>", "orders": 3}}
+    # The token guard gets the raw values, as the template renders them (digits).
+    assert {raw for raw, _ in found} == {"14155550132", "4111111111111111"}
+
+
+def test_operator_content_is_scanned_for_secrets_only(redactor: Redactor) -> None:
+    key = SEEDED["API_KEY"][0]
+    system = {
+        "type": "text",
+        "text": f"Support: help@acme-corp.io, +1 415-555-0132. Use 'claude-haiku-4-5-20251001'. Key {key}.",
+    }
+    out, counts = redactor.redact_value(system, "t", operator=True)
+    assert counts == {"API_KEY": 1}
+    assert out["text"].endswith("Key <API_KEY>.") and "help@acme-corp.io" in out["text"]
+    # The same text as user content gets the full scan.
+    _, user_counts = redactor.redact_value(system, "t")
+    assert user_counts == {"EMAIL_ADDRESS": 1, "PHONE_NUMBER": 1, "API_KEY": 1}
+    # Secrets are found in operator content too: a token pasted into a tool description.
+    tools = [{"name": "deploy", "description": f"Push with {SEEDED['GITHUB_TOKEN'][0]} (owner ops@acme-corp.io)",
+              "parameters": {"properties": {"branch": {"type": "string"}}}}]
+    out_tools, tool_counts = redactor.redact_value(tools, "t", operator=True)
+    assert tool_counts == {"GITHUB_TOKEN": 1}
+    assert "ops@acme-corp.io" in out_tools[0]["description"]
+
+
+def test_redact_many_takes_operator_flags(redactor: Redactor) -> None:
+    items = [("t", "mail help@acme-corp.io"), ("t", "mail help@acme-corp.io")]
+    out = redactor.redact_many(items, operator=[True, False])
+    assert out == [("mail help@acme-corp.io", {}), ("mail <EMAIL_ADDRESS>", {"EMAIL_ADDRESS": 1})]
+
+
+def test_the_pool_passes_operator_flags_to_its_workers(redactor: Redactor) -> None:
+    from proxy.governance.redaction_pool import RedactionPool
+
+    text = "owner help@acme-corp.io " + "x" * 3000  # big enough to be sent to a worker
+    items = [("t", text), ("t", text), ("t", {"a": text})]
+    flags = [True, False, True]
+    with RedactionPool(RedactionConfig(salt=b"test-salt"), max_workers=2, inline_chars=0) as pool:
+        got = pool.redact_many(items, operator=flags)
+    assert got == redactor.redact_many(items, operator=flags)
+    assert [counts for _, counts in got] == [{}, {"EMAIL_ADDRESS": 1}, {}]
