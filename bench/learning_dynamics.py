@@ -7,7 +7,7 @@ runs the same loop in one process, sampling with torch instead of vLLM (so it is
 on-policy), with the trainer's own batch and loss code, for several step-size settings and many
 sampling seeds, and reports each round's mean reward: the distribution a single e2e run draws from.
 
-  python bench/learning_dynamics.py [--seeds 8] [--rounds 6] [--out FILE]
+  python bench/learning_dynamics.py [--seeds 8] [--first-seed 1] [--rounds 6] [--only TEXT] [--out FILE]
 
 The seeds here are not the e2e test's (its answers come from vLLM with its own seeds).
 """
@@ -123,12 +123,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", default="", help="run only the settings whose name contains this text")
+    ap.add_argument("--first-seed", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     base = cached_tiny_model()
     report = {}
-    for setting in SETTINGS:
-        runs = [run(setting, base, seed, args.rounds) for seed in range(1, args.seeds + 1)]
+    for setting in (s for s in SETTINGS if args.only in s.name):
+        runs = [run(setting, base, seed, args.rounds) for seed in range(args.first_seed, args.first_seed + args.seeds)]
         gains = [statistics.fmean(r[-3:]) - r[0] for r in runs]
         first = [r[1] - r[0] for r in runs]
         report[setting.name] = {"runs": [[round(x, 3) for x in r] for r in runs],

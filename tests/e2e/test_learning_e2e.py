@@ -72,7 +72,7 @@ def _train(proxy, home: Path, url: str, engine_url: str, *, ranks: int = 1) -> s
            "ATDP_UPSTREAM_URL": engine_url, "ATDP_HOME": str(home), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    args = ["-m", "proxy.cli", "train", "--once", "--lr", "3e-3", "--ppo-epochs", "2", "--seed", "0"]
+    args = ["-m", "proxy.cli", "train", "--once", "--lr", "1e-3", "--ppo-epochs", "2", "--seed", "0"]
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
     else:
