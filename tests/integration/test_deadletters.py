@@ -101,6 +101,20 @@ def test_what_the_doors_now_refuse_would_have_been_a_dead_letter(start_proxy, fa
     assert letter.session == long_id and letter.reason.startswith("DataError")
 
 
+def test_a_model_made_overlong_tool_name_is_stored_not_set_aside(start_proxy, fake_upstream, factory):
+    """What the client cannot be blamed for (the model's own tool call) must not make a dead letter."""
+    proxy = start_proxy([fake_upstream.url])
+    name = "tool_" + "n" * 300
+    c = openai.OpenAI(base_url=proxy.v1, api_key="unused", max_retries=0)
+    r = c.chat.completions.create(model="fake", messages=[{"role": "user", "content": f"#tool {name} {{}}"}])
+    assert r.choices[0].message.tool_calls[0].function.name == name  # the client gets it whole
+    (step,) = proxy.steps(factory)
+    assert deadletters.read(proxy.state.settings.spool_dir) == []
+    with factory() as s:
+        (call,) = s.scalars(select(t.ToolCall).where(t.ToolCall.step_id == step.id))
+    assert call.name == name[:256]
+
+
 def test_deadletters_cli_lists_replays_and_purges(start_proxy, fake_upstream, db_url, factory):
     proxy = start_proxy([fake_upstream.url])
     bad = refused_record(proxy.tenant, "dl-" + "x" * 300)
