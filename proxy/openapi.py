@@ -65,10 +65,12 @@ def _op(summary: str, *, body: type[BaseModel] | None = None, ok: dict[str, Any]
     return op
 
 
-def _path_param(name: str) -> dict[str, Any]:
+def _path_param(name: str, *, ascii_only: bool = False) -> dict[str, Any]:
     longest = shapes.MAX_TENANT if name == "tenant" else shapes.MAX_ID
-    return {"name": name, "in": "path", "required": True,
-            "schema": {"type": "string", "minLength": 1, "maxLength": longest}}
+    schema: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": longest}
+    if ascii_only:  # a door's session id is echoed in a response header
+        schema["pattern"] = "^[\\x20-\\x7e]*$"
+    return {"name": name, "in": "path", "required": True, "schema": schema}
 
 
 def _query(name: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -97,7 +99,7 @@ def _model_paths() -> dict[str, dict[str, Any]]:
                 continue
             # The same doors under /s/{session_id}: the path names the session.
             out[prefix + path] = {
-                method: {**op, "parameters": [_path_param("session_id"), *op.get("parameters", [])]}
+                method: {**op, "parameters": [_path_param("session_id", ascii_only=True), *op.get("parameters", [])]}
                 for method, op in item.items()
             }
     return out

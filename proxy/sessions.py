@@ -20,7 +20,7 @@ import orjson
 
 from proxy.errors import ApiError
 from proxy.record.capture import SessionRef
-from proxy.shapes import id_problem
+from proxy.shapes import id_problem, session_id_problem
 from proxy.store.content import chain_hash
 from proxy.store.ids import new_id
 
@@ -89,7 +89,7 @@ def explicit_session(headers, path_session: str | None, body: dict[str, Any]) ->
         ("metadata", "the session_id in metadata", _metadata_session(body)),
     ]
     for _, where, value in named:
-        if value and (problem := id_problem(value)):
+        if value and (problem := session_id_problem(value)):
             raise ApiError(400, f"session id ({where}) {problem}", param=where)
     for source, _, value in named:
         if value:

@@ -35,6 +35,16 @@ def id_problem(value: object, max_len: int = MAX_ID) -> str | None:
     return None
 
 
+def session_id_problem(value: object) -> str | None:
+    """A session id is also echoed in the `x-atdp-session-id` response header: printable ASCII only
+    (a header cannot carry other characters; found by the fuzz test)."""
+    if problem := id_problem(value):
+        return problem
+    if not str(value).isascii():
+        return "must be printable ASCII (it is echoed in the x-atdp-session-id header)"
+    return None
+
+
 def text_problem(value: object, max_len: int) -> str | None:
     """Why `value` is not acceptable free text (a comment): a string, bounded, without NUL."""
     if not isinstance(value, str):
@@ -48,6 +58,12 @@ def text_problem(value: object, max_len: int) -> str | None:
 
 def _identifier(value: str) -> str:
     if problem := id_problem(value):
+        raise ValueError(problem)
+    return value
+
+
+def _session_id(value: str) -> str:
+    if problem := session_id_problem(value):
         raise ValueError(problem)
     return value
 
@@ -72,6 +88,8 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
 # The pattern is published (OpenAPI), the check is `_identifier` (its message names the rule).
 Identifier = Annotated[str, Field(min_length=1, max_length=MAX_ID, json_schema_extra={"pattern": "^[^\\x00-\\x1f\\x7f]*$"}),
                        AfterValidator(_identifier)]
+SessionId = Annotated[str, Field(min_length=1, max_length=MAX_ID, json_schema_extra={"pattern": "^[\\x20-\\x7e]*$"}),
+                      AfterValidator(_session_id)]
 
 
 class _Open(BaseModel):
@@ -127,7 +145,7 @@ class AnthropicBlock(_Open):
 
 
 class AnthropicMessage(_Open):
-    role: str
+    role: Literal["user", "assistant", "system"]  # Claude Code sends a `system` message in the list
     content: str | list[AnthropicBlock]
 
 
@@ -137,13 +155,13 @@ class AnthropicMetadata(_Open):
 
 class CountTokensRequest(_Open):
     model: Identifier
-    messages: list[AnthropicMessage]
+    messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int
+    max_tokens: int = Field(ge=1)
     stream: bool | None = None
     metadata: AnthropicMetadata | None = None
 
@@ -158,7 +176,7 @@ class ResponsesItem(_Open):
 
 
 class ClientMetadata(_Open):
-    session_id: Identifier | None = None  # Codex
+    session_id: SessionId | None = None  # Codex
 
 
 class ResponsesRequest(_Open):

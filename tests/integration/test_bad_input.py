@@ -193,6 +193,10 @@ CASES = [
     Bad("numeric-tool_use_id/messages", messages([*ANT_TOOL_TURN, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": 5, "content": "done"}]}]), "anthropic"),
     Bad("numeric-call_id/responses", responses([{"type": "function_call_output", "call_id": 5, "output": "done"}])),
+    # found by the fuzz test: a session id a response header cannot carry (it is echoed in one)
+    Bad("non-ascii-session-path/responses", responses(base="/s/S%F2%AB%AE%98" + MARK + "/v1")),
+    Bad("non-ascii-session-metadata/messages", messages(metadata={"user_id": json.dumps({"session_id": "sé" + MARK})}),
+        "anthropic"),
     # 15. an over-long tool call id
     Bad("long-tool_call_id/chat", chat([*TOOL_TURN, {"role": "tool", "tool_call_id": LONG, "content": "done"}])),
 ]
