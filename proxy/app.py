@@ -10,13 +10,16 @@ import threading
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
+import orjson
 from fastapi import FastAPI
 from sqlalchemy import select
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy import telemetry
+from proxy import openapi, telemetry
 from proxy.config import Settings
 from proxy.control import admin, diagnosis, feedback, sessions, versions
 from proxy.control.swap import Versions
@@ -25,7 +28,7 @@ from proxy.doors.response_store import ResponseStore
 from proxy.errors import ApiError, error_response, flavor_for_path
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import LazyRedactor, TextRedactor
-from proxy.http import Endpoint, Route, json_response
+from proxy.http import Endpoint, Route, json_response, log_exception
 from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess, build_recorder
 from proxy.sessions import ContinuationIndex, StepLink
@@ -52,6 +55,7 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[
         Route("/", models.root, ("GET", "HEAD")),
         Route("/healthz", _healthz(state), ("GET",)),
         Route("/metrics", _metrics(state), ("GET",)),
+        Route("/openapi.json", _openapi(), ("GET",)),
     ]
 
 
@@ -124,13 +128,57 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return error_response(flavor_for_path(request.url.path), exc.status, exc.message, type=exc.type,
-                              code=exc.code, headers=exc.headers)
+                              code=exc.code, headers=exc.headers, param=exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # The method, not the path: a path may carry an id the caller made up.
         message = "route not found" if exc.status_code == 404 else str(exc.detail)
-        return error_response(flavor_for_path(request.url.path), exc.status_code,
-                              f"{message}: {request.method} {request.url.path}")
+        return error_response(flavor_for_path(request.url.path), exc.status_code, f"{message} ({request.method})",
+                              headers=exc.headers)
+
+    app.add_middleware(CatchAll)
+
+
+class CatchAll:
+    """Any exception no handler turned into a response becomes a 500 in the called API's shape (never
+    plain text, never a reset connection), logged with its route template and traceback but without
+    its message (it may hold request values). A door's own calls are recorded as failed steps by
+    `proxy.http.door` before the exception gets here."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            log_exception(f"{scope.get('method')} {_route_template(scope)}", e)
+            if started:  # mid-body: nothing more can be said; the response ends here
+                return
+            response = error_response(flavor_for_path(scope["path"]), 500, "internal error in the proxy")
+            await response(scope, receive, send)
+
+
+def _route_template(scope: Scope) -> str:
+    """The route's path template ("/atdp/v1/sessions/{session_id}"), not the path the client sent."""
+    app = scope.get("app")
+    for route in getattr(getattr(app, "router", None), "routes", ()):
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return str(getattr(route, "path", "?"))
+    return "(no route)"
 
 
 def _healthz(state: AppState) -> Endpoint:
@@ -146,6 +194,15 @@ def _healthz(state: AppState) -> Endpoint:
         })
 
     return healthz
+
+
+def _openapi() -> Endpoint:
+    body = orjson.dumps(openapi.document())  # built once: it depends on no request
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(body, media_type="application/json")
+
+    return openapi_json
 
 
 def _metrics(state: AppState) -> Endpoint:

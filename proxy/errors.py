@@ -23,25 +23,27 @@ _ANTHROPIC_TYPES = {
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, type: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
         self.headers = headers or {}
+        self.param = param  # the offending field's path (OpenAI's `param`), never its value
 
 
-def error_body(flavor: Flavor, status: int, message: str, type: str | None = None, code: str | None = None) -> dict:
+def error_body(flavor: Flavor, status: int, message: str, type: str | None = None, code: str | None = None,
+               param: str | None = None) -> dict:
     if flavor == "anthropic":
         return {"type": "error", "error": {"type": type or _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     return {"error": {"message": message, "type": type or _OPENAI_TYPES.get(status, "server_error"),
-                      "param": None, "code": code}}
+                      "param": param, "code": code}}
 
 
 def error_response(flavor: Flavor, status: int, message: str, *, type: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(error_body(flavor, status, message, type, code)), status_code=status,
+                   headers: dict[str, str] | None = None, param: str | None = None) -> Response:
+    return Response(orjson.dumps(error_body(flavor, status, message, type, code, param)), status_code=status,
                     media_type="application/json", headers=headers)
 
 

@@ -4,11 +4,14 @@ and `door` (authenticate, read the body, bind the call)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
+from pydantic import BaseModel
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 from starlette.requests import Request
@@ -16,14 +19,18 @@ from starlette.responses import Response
 
 from proxy import call as calls
 from proxy.auth import Principal
-from proxy.errors import ApiError
+from proxy.errors import ApiError, flavor_for_path
+from proxy.shapes import MAX_DEPTH, MAX_ID, MAX_TENANT, ShapeError, check, id_problem, too_deep
 from proxy.state import AppState
+
+log = logging.getLogger("atdp.http")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 # A door's handler: (request, parsed body, call_begin) -> response; call_begin binds session and principal.
 CallBegin = Callable[..., calls.Call]
 Handler = Callable[[Request, Any, CallBegin], Awaitable[Response]]
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 SESSION_PREFIXES = ("", "/s/{session_id}")  # /s/{id}/v1/... for clients that can only change the base URL
 DB_UNAVAILABLE = "the database is unavailable; try again shortly"
@@ -56,9 +63,43 @@ async def read_json(request: Request, limit: int) -> Any:
             raise ApiError(413, f"request body over the {limit}-byte limit")
         chunks.append(chunk)
     try:
-        return orjson.loads(b"".join(chunks))
+        body = orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as e:
+        # orjson's message says where (line, column), never what: safe to pass on.
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    if too_deep(body):
+        raise ApiError(400, f"request body nests deeper than {MAX_DEPTH} levels")
+    return body
+
+
+def check_body(model: type[M], body: Any, request: Request) -> M:
+    """The body as its pydantic model, or a 400 in the called API's words (naming the field only)."""
+    flavor = flavor_for_path(request.url.path)
+    try:
+        return check(model, body, style=flavor)
+    except ShapeError as e:
+        raise ApiError(400, e.message, param=e.param) from None
+
+
+def check_id(name: str, value: object, status: int = 400) -> None:
+    """Refuse an identifier (path, header, query) that the store could not hold; name it, not its value."""
+    if problem := id_problem(value, MAX_TENANT if name == "tenant" else MAX_ID):
+        raise ApiError(status, f"{name} {problem}", param=name)
+
+
+def path_id(request: Request, name: str) -> str:
+    """A path parameter that is an identifier (session id, tenant, version), checked."""
+    value = request.path_params[name]
+    check_id(name, value)
+    return value
+
+
+def log_exception(where: str, e: BaseException) -> None:
+    """Log an unexpected exception: its type and where it happened, never its message or locals
+    (they may hold request values)."""
+    frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)))
+    log.error("unexpected %s in %s\nTraceback (message withheld: it may hold request values):\n%s",
+              type(e).__name__, where, frames)
 
 
 async def run_db(state: AppState, fn: Callable[[Session], T]) -> T:
@@ -80,7 +121,10 @@ async def run_db(state: AppState, fn: Callable[[Session], T]) -> T:
 def scope_tenant(request: Request, principal: Principal) -> str | None:
     """The tenant a call may see: its own; for the admin key, the one it names (None = all)."""
     if principal.is_admin:
-        return request.query_params.get("tenant") or request.headers.get("x-atdp-tenant") or None
+        named = request.query_params.get("tenant") or request.headers.get("x-atdp-tenant") or None
+        if named is not None:
+            check_id("tenant", named)
+        return named
     return principal.tenant
 
 
@@ -91,11 +135,29 @@ def door(state: AppState, handler: Handler) -> Endpoint:
         principal = await state.authenticate(request)
         body = await read_json(request, state.settings.max_body_bytes)
         path_session = request.path_params.get("session_id")
+        begun: list[calls.Call] = []
 
         def call_begin(api: str, b: dict[str, Any], messages: list[Any], **kw: Any) -> calls.Call:
-            return calls.begin(state, request, principal, api=api, body=b, messages=messages,
+            call = calls.begin(state, request, principal, api=api, body=b, messages=messages,
                                path_session=path_session, **kw)
+            begun.append(call)
+            return call
 
-        return await handler(request, body, call_begin)
+        try:
+            return await handler(request, body, call_begin)
+        except ApiError:
+            raise
+        except Exception as e:
+            # A bug, not the client's fault: a 500 in the door's own shape, and the call (when it
+            # had begun) recorded as a failed step through the normal, redacted path.
+            log_exception(request.url.path.rsplit("/v1/", 1)[-1], e)
+            headers: dict[str, str] = {}
+            for call in begun:
+                await calls.close_upstream(call, None)
+                calls.finish(call, status="error", error={"type": "internal_error", "message": type(e).__name__})
+                headers = call.response_headers()
+            raise ApiError(500, "internal error in the proxy; the call was recorded as failed",
+                           headers=headers) from None
 
     return endpoint
+

@@ -18,7 +18,9 @@ from typing import Any
 
 import orjson
 
+from proxy.errors import ApiError
 from proxy.record.capture import SessionRef
+from proxy.shapes import id_problem, session_id_problem
 from proxy.store.content import chain_hash
 from proxy.store.ids import new_id
 
@@ -74,17 +76,24 @@ def _metadata_session(body: dict[str, Any]) -> str | None:
 
 
 def explicit_session(headers, path_session: str | None, body: dict[str, Any]) -> tuple[str, str] | None:
-    """(session id, how we know it) from headers, the path or the body; None when the call names none."""
-    if v := headers.get("x-atdp-session-id"):
-        return v, "header"
-    if path_session:
-        return path_session, "path"
-    if v := headers.get("x-claude-code-session-id"):
-        return v, "claude-code"
-    if v := headers.get("session-id"):
-        return v, "codex"
-    if v := _metadata_session(body):
-        return v, "metadata"
+    """(session id, how we know it) from headers, the path or the body; None when the call names none.
+
+    Every id the call names is checked, used or not (a 400 naming where it came from, never its value):
+    the store could not hold an over-long id or one with a NUL, and the client would get 200 for a
+    step that is never stored."""
+    named = [
+        ("header", "X-ATDP-Session-Id", headers.get("x-atdp-session-id")),
+        ("path", "the /s/{session_id} path", path_session),
+        ("claude-code", "X-Claude-Code-Session-Id", headers.get("x-claude-code-session-id")),
+        ("codex", "session-id", headers.get("session-id")),
+        ("metadata", "the session_id in metadata", _metadata_session(body)),
+    ]
+    for _, where, value in named:
+        if value and (problem := session_id_problem(value)):
+            raise ApiError(400, f"session id ({where}) {problem}", param=where)
+    for source, _, value in named:
+        if value:
+            return value, source
     return None
 
 
@@ -216,6 +225,8 @@ def resolve(
 ) -> tuple[SessionRef, Continuation]:
     client = detect_client(headers)
     task_id = headers.get("x-atdp-task-id")
+    if task_id is not None and (problem := id_problem(task_id)):
+        raise ApiError(400, f"X-ATDP-Task-Id {problem}", param="X-ATDP-Task-Id")
     named = explicit_session(headers, path_session, body)
     if named:
         sid, source = named

@@ -7,6 +7,7 @@ per UTF-8 byte) so token ids are predictable. The last user message scripts the 
 - `#tool NAME {json}`: answer with one tool call (two with `#tool2`)
 - `#fail500`: HTTP 500;  `#fail400`: HTTP 400 with an OpenAI error
 - `#drop`: send two chunks then close the connection mid-stream
+- `#malformed`: HTTP 200 with a completion whose `choices` is not a list (no engine sends that)
 - `#slow SECONDS`: wait before answering
 - otherwise: answer "echo: <the message>" (or `#say TEXT` -> TEXT)
 
@@ -77,6 +78,8 @@ class FakeVLLM:
             plan["status"] = 500
         elif last.startswith("#fail400"):
             plan["status"] = 400
+        elif last.startswith("#malformed"):
+            plan["status"] = "malformed"
         elif last.startswith("#drop"):
             plan["drop"] = True
             plan["text"] = "partial answer that never ends " * 4
@@ -155,6 +158,9 @@ class FakeVLLM:
             return
         if plan["status"] == 400:
             await self.json(send, 400, {"error": {"message": "scripted bad request", "type": "BadRequestError", "param": None, "code": 400}})
+            return
+        if plan["status"] == "malformed":
+            await self.json(send, 200, {"id": "chatcmpl-bad", "object": "chat.completion", "choices": "not a list"})
             return
         prompt_ids = list(render(body.get("messages", [])))
         text = plan["text"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -24,8 +25,11 @@ from starlette.responses import Response
 
 from proxy.errors import ApiError
 from proxy.governance import forget
+from proxy.governance.policies import Policies
 from proxy.governance.policy import PolicyError, TenantPolicy
-from proxy.http import DB_UNAVAILABLE, Route, json_response, read_json, run_db
+from proxy.http import DB_UNAVAILABLE, Route, check_id, json_response, path_id, read_json, run_db
+from proxy.record import deadletters
+from proxy.shapes import text_problem
 from proxy.state import AppState
 from proxy.store import tables as t
 
@@ -37,6 +41,14 @@ def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bo
                           content_hashes=None if whole_tenant else report.content_hashes)
 
 
+def _reason(request: Request) -> str | None:
+    """The optional `?reason=` kept in the audit row (JSONB: no NUL)."""
+    reason = request.query_params.get("reason")
+    if reason is not None and (problem := text_problem(reason, 1000)):
+        raise ApiError(400, f"reason {problem}", param="reason")
+    return reason
+
+
 def _policy_response(tenant: str, policy: TenantPolicy) -> Response:
     return json_response({"tenant": tenant, "policy": policy.to_dict()})
 
@@ -45,7 +57,7 @@ def routes(state: AppState) -> list[Route]:
     # The token guard (ATDP_TOKENIZER) is built with the recorder: proxy.record.writer_process.build_recorder.
 
     async def get_policy(request: Request) -> Response:
-        tenant = request.path_params["tenant"]
+        tenant = path_id(request, "tenant")
         principal = await state.authenticate(request)
         if not principal.is_admin and principal.tenant != tenant:
             raise ApiError(403, "a tenant may read only its own policy", type="permission_error")
@@ -53,7 +65,7 @@ def routes(state: AppState) -> list[Route]:
         return _policy_response(tenant, policy)
 
     async def put_policy(request: Request) -> Response:
-        tenant = request.path_params["tenant"]
+        tenant = path_id(request, "tenant")
         principal = await state.authenticate(request, admin=True)
         changes = await read_json(request, 1 << 20)
         if not isinstance(changes, dict) or not changes:
@@ -66,28 +78,38 @@ def routes(state: AppState) -> list[Route]:
         return _policy_response(tenant, policy)
 
     async def delete_session(request: Request) -> Response:
-        session_id = request.path_params["session_id"]
+        session_id = path_id(request, "session_id")
         principal = await state.authenticate(request)
         tenant = request.query_params.get("tenant") if principal.is_admin else principal.tenant
+        if tenant is not None:
+            check_id("tenant", tenant)
+        reason = _reason(request)
         await asyncio.to_thread(state.recorder.flush, 10.0)  # a step still queued must not outlive the forget
         try:
             report = await run_db(state, lambda s: forget.forget_session(
-                s, session_id, tenant=tenant, actor=principal.actor, reason=request.query_params.get("reason")))
-        except LookupError as e:
-            raise ApiError(409, str(e)) from None
+                s, session_id, tenant=tenant, actor=principal.actor, reason=reason))
+        except LookupError:
+            raise ApiError(409, "this session id exists in several tenants; pass ?tenant=") from None
+        # Its dead letters too (a session whose every step was refused has no row, only those).
+        letters = await asyncio.to_thread(deadletters.purge_session, state.settings.spool_dir, session_id,
+                                          report.tenant if report else tenant)
+        if report is None and not letters:
+            raise ApiError(404, "session not found", code="session_not_found")
         if report is None:
-            raise ApiError(404, f"no session {session_id!r}" + (f" in tenant {tenant!r}" if tenant else ""))
+            report = forget.Forgotten(tenant=letters[0].tenant)
         _after_forget(state, report)
-        return json_response({"forgotten": "session", "session_id": session_id, "tenant": report.tenant, **report.counts()})
+        return json_response({"forgotten": "session", "session_id": session_id, "tenant": report.tenant,
+                              **report.counts(), "dead_letters": len(letters)})
 
     async def delete_tenant(request: Request) -> Response:
-        tenant = request.path_params["tenant"]
+        tenant = path_id(request, "tenant")
         principal = await state.authenticate(request, admin=True)
+        reason = _reason(request)
         await asyncio.to_thread(state.recorder.flush, 10.0)
-        report = await run_db(state, lambda s: forget.forget_tenant(
-            s, tenant, actor=principal.actor, reason=request.query_params.get("reason")))
+        report = await run_db(state, lambda s: forget.forget_tenant(s, tenant, actor=principal.actor, reason=reason))
+        letters = await asyncio.to_thread(deadletters.purge_tenant, state.settings.spool_dir, tenant)
         _after_forget(state, report, whole_tenant=True)
-        return json_response({"forgotten": "tenant", "tenant": tenant, **report.counts()})
+        return json_response({"forgotten": "tenant", "tenant": tenant, **report.counts(), "dead_letters": len(letters)})
 
     async def run_retention(request: Request) -> Response:
         principal = await state.authenticate(request, admin=True)
@@ -102,8 +124,12 @@ def routes(state: AppState) -> list[Route]:
             before = int(q["before"]) if q.get("before") else None
             since = datetime.fromisoformat(q["since"]) if q.get("since") else None
             until = datetime.fromisoformat(q["until"]) if q.get("until") else None
-        except ValueError as e:
-            raise ApiError(400, f"bad query parameter: {e}") from None
+        except ValueError:
+            raise ApiError(400, "bad query parameter: limit and before are integers, since and until ISO 8601 times"
+                           ) from None
+        for name in ("tenant", "actor", "action"):
+            if q.get(name):
+                check_id(name, q[name])
 
         def rows(s: Session) -> list[dict[str, Any]]:
             stmt = select(t.AuditEvent).order_by(t.AuditEvent.id.desc()).limit(limit + 1)
@@ -147,9 +173,18 @@ def retention_once(state: AppState, actor: str = "system") -> list[forget.Forgot
         raise ApiError(503, DB_UNAVAILABLE)
     with state.factory() as s, s.begin():
         reports = forget.run_retention(s, policy_for=state.policies.policy_for, actor=actor)
+        expire_dead_letters(s, state.settings.spool_dir, state.policies)
     for r in reports:
         _after_forget(state, r)
     return reports
+
+
+def expire_dead_letters(s: Session, spool_dir: Path, policies: Policies) -> int:
+    """Retention covers dead letters too: those past their tenant's retention go (logged by count)."""
+    gone = deadletters.purge_expired(spool_dir, lambda tenant: policies.policy_for(s, tenant).retention_days)
+    if gone:
+        log.info("retention purged %d dead letters", len(gone))
+    return len(gone)
 
 
 async def retention_loop(state: AppState, interval: float) -> None:

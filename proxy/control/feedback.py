@@ -32,7 +32,8 @@ from proxy.control.sessions import session_or_error, summarize
 from proxy.errors import ApiError
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import TextRedactor
-from proxy.http import Endpoint, Route, json_response, read_json, run_db, scope_tenant
+from proxy.http import Endpoint, Route, json_response, path_id, read_json, run_db, scope_tenant
+from proxy.shapes import id_problem, text_problem
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.content import content_hash
@@ -60,7 +61,7 @@ def _feedback_route(state: AppState) -> Endpoint:
         body = await _read_body(request, state)
         fb = parse_feedback(body)
         tenant = scope_tenant(request, principal)
-        external_id = request.path_params["session_id"]
+        external_id = path_id(request, "session_id")
         # Fail fast (404/422) before paying for redaction.
         session_tenant = await run_db(state, lambda s: session_or_error(s, external_id, tenant).tenant_id)
         fb.body_hash = content_hash(state.settings.secret, fb.canonical())
@@ -82,7 +83,7 @@ def _close_route(state: AppState) -> Endpoint:
     async def close(request: Request) -> Response:
         principal = await state.authenticate(request)
         tenant = scope_tenant(request, principal)
-        external_id = request.path_params["session_id"]
+        external_id = path_id(request, "session_id")
         return json_response(await run_db(state, lambda s: close_session(s, state.policies, principal, external_id, tenant)))
 
     return close
@@ -138,23 +139,23 @@ def parse_feedback(body: Any) -> FeedbackIn:
     reward = body.get("reward")
     if reward is not None:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise ApiError(422, f"'reward' must be a finite number, not {reward!r}")
+            raise ApiError(422, "'reward' must be a finite number", param="reward")
         reward = float(reward)
-    for name in ("step_id", "source", "comment", "correction", "idempotency_key"):
+    for name in ("source", "comment", "correction"):
         value = body.get(name)
-        if value is not None and not isinstance(value, str):
-            raise ApiError(422, f"'{name}' must be a string")
-        if isinstance(value, str) and len(value) > MAX_TEXT:
-            raise ApiError(422, f"'{name}' is longer than {MAX_TEXT} characters")
+        if value is not None and (problem := text_problem(value, MAX_TEXT)):
+            raise ApiError(422, f"'{name}' {problem}", param=name)
+    for name in ("step_id", "idempotency_key"):  # ids: the store holds 256 characters, no NUL
+        value = body.get(name)
+        if value is not None and (problem := id_problem(value)):
+            raise ApiError(422, f"'{name}' {problem}", param=name)
     key = body.get("idempotency_key")
-    if key is not None and not 0 < len(key) <= 256:
-        raise ApiError(422, "'idempotency_key' must be 1 to 256 characters")
     comment, correction = body.get("comment"), body.get("correction")
     if reward is None and comment is None and correction is None:
         raise ApiError(422, "feedback needs at least one of 'reward', 'comment', 'correction'")
     source = body.get("source") or ("user_correction" if correction is not None else "human")
     if source not in SOURCES:
-        raise ApiError(422, f"'source' must be one of {list(SOURCES)}, not {source!r}")
+        raise ApiError(422, f"'source' must be one of {list(SOURCES)}", param="source")
     return FeedbackIn(reward=reward, step_id=body.get("step_id"), source=source, comment=comment,
                       correction=correction, idempotency_key=key)
 
@@ -172,7 +173,7 @@ def create_feedback(s: Session, policies: Policies, principal: Principal, extern
             t.Feedback.idempotency_key == fb.idempotency_key))
         if earlier is not None:
             if earlier.body_hash != fb.body_hash:
-                raise ApiError(409, f"idempotency key '{fb.idempotency_key}' was already used with a different body",
+                raise ApiError(409, "this idempotency key was already used with a different body",
                                code="idempotency_conflict")
             _audit(s, principal, session, earlier, replay=True)
             return feedback_model(earlier, session.external_id).model_dump(mode="json")
@@ -184,7 +185,8 @@ def create_feedback(s: Session, policies: Policies, principal: Principal, extern
     if fb.step_id is not None:
         step = s.get(t.Step, fb.step_id)
         if step is None or step.session_id != session.id:
-            raise ApiError(404, f"step '{fb.step_id}' is not a step of session '{external_id}'", code="step_not_found")
+            raise ApiError(404, "step_id is not a step of session session_id (ids not echoed)", code="step_not_found",
+                           param="step_id")
         late = step.trained_version_id is not None
     else:
         # A session reward reaches every step: it is late once any of them was trained on.

@@ -19,7 +19,8 @@ from atdp_schema import models as m
 from proxy.errors import ApiError
 from proxy.governance.policies import Policies
 from proxy.governance.policy import TenantPolicy
-from proxy.http import Endpoint, Route, json_response, run_db, scope_tenant
+from proxy.http import Endpoint, Route, json_response, path_id, run_db, scope_tenant
+from proxy.shapes import MAX_ID, MAX_TENANT, id_problem
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.read import find_session, session_document
@@ -43,22 +44,24 @@ def session_or_error(s: Session, external_id: str, tenant: str | None) -> t.Sess
     try:
         row = find_session(s, external_id, tenant)
     except LookupError:
-        raise ApiError(409, f"session id '{external_id}' exists in several tenants; pass ?tenant=") from None
+        raise ApiError(409, "this session id exists in several tenants; pass ?tenant=") from None
     if row is None:
-        raise ApiError(404, f"session '{external_id}' not found", code="session_not_found")
+        raise ApiError(404, "session not found", code="session_not_found")
     return row
 
 
 
 
 MAX_LIMIT = 500
+SESSION_STATUSES = tuple(x.value for x in m.SessionStatus)
+ELIGIBILITIES = tuple(e.value for e in m.Eligibility)
 
 
 def _get_route(state: AppState) -> Endpoint:
     async def get_session(request: Request) -> Response:
         principal = await state.authenticate(request)
         tenant = scope_tenant(request, principal)
-        external_id = request.path_params["session_id"]
+        external_id = path_id(request, "session_id")
 
         def read(s: Session) -> bytes:
             return document(s, state.policies, session_or_error(s, external_id, tenant)).model_dump_json().encode()
@@ -97,7 +100,7 @@ def _time(name: str, value: str | None) -> datetime | None:
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise ApiError(422, f"'{name}' must be an ISO 8601 time, not {value!r}") from None
+        raise ApiError(422, f"'{name}' must be an ISO 8601 time", param=name) from None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
@@ -107,7 +110,7 @@ def _number(name: str, value: str | None) -> float | None:
     try:
         x = float(value)
     except ValueError:
-        raise ApiError(422, f"'{name}' must be a number, not {value!r}") from None
+        raise ApiError(422, f"'{name}' must be a number", param=name) from None
     if not math.isfinite(x):
         raise ApiError(422, f"'{name}' must be finite")
     return x
@@ -120,9 +123,12 @@ def encode_cursor(started_at: datetime, session_id: str) -> str:
 def decode_cursor(value: str) -> tuple[datetime, str]:
     try:
         when, sid = orjson.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
-        return datetime.fromisoformat(when), str(sid)
+        at = datetime.fromisoformat(when)
     except Exception:
-        raise ApiError(422, "invalid 'cursor' (pass back the next_cursor of the previous page)") from None
+        at, sid = None, None
+    if at is None or id_problem(sid):
+        raise ApiError(422, "invalid 'cursor' (pass back the next_cursor of the previous page)", param="cursor")
+    return at if at.tzinfo else at.replace(tzinfo=UTC), sid
 
 
 def parse_list_query(params, tenant: str | None, *, all_tenants: bool = False) -> ListQuery:
@@ -136,6 +142,12 @@ def parse_list_query(params, tenant: str | None, *, all_tenants: bool = False) -
         raise ApiError(422, "'limit' must be an integer") from None
     if not 1 <= limit <= MAX_LIMIT:
         raise ApiError(422, f"'limit' must be between 1 and {MAX_LIMIT}")
+    for name, longest in (("task_id", MAX_ID), ("tenant", MAX_TENANT)):
+        if params.get(name) and (problem := id_problem(params[name], longest)):
+            raise ApiError(422, f"'{name}' {problem}", param=name)
+    for name, allowed in (("status", SESSION_STATUSES), ("eligibility", ELIGIBILITIES)):
+        if params.get(name) and params[name] not in allowed:
+            raise ApiError(422, f"'{name}' must be one of {list(allowed)}", param=name)
     return ListQuery(
         tenant=tenant, since=_time("since", params.get("since")), until=_time("until", params.get("until")),
         task_id=params.get("task_id") or None, status=params.get("status") or None,

@@ -31,7 +31,8 @@ from starlette.responses import Response
 from atdp_schema.models import VersionStatus
 from proxy.control.swap import Versions
 from proxy.errors import ApiError
-from proxy.http import Endpoint, Route, json_response, read_json, run_db
+from proxy.http import Endpoint, Route, json_response, path_id, read_json, run_db
+from proxy.shapes import id_problem, text_problem
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.ids import new_id
@@ -77,8 +78,12 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
         if unknown:
             raise ApiError(422, f"unknown fields {unknown}")
         for key in ("name", "parent"):
-            if body.get(key) is not None and (not isinstance(body[key], str) or not 0 < len(body[key]) <= 128):
-                raise ApiError(422, f"'{key}' must be a string of 1 to 128 characters")
+            if body.get(key) is not None and (not isinstance(body[key], str) or not 0 < len(body[key]) <= 128
+                                              or id_problem(body[key])):
+                raise ApiError(422, f"'{key}' must be a string of 1 to 128 characters without control characters",
+                               param=key)
+        if problem := text_problem(body["checkpoint"], 4096):
+            raise ApiError(422, f"'checkpoint' {problem}", param="checkpoint")
         await versions.wait_ready()
         checkpoint, name, parent = body["checkpoint"], body.get("name"), body.get("parent")
 
@@ -123,7 +128,7 @@ def _rollback_route(state: AppState, versions: Versions) -> Endpoint:
     async def rollback(request: Request) -> Response:
         principal = await state.authenticate(request, admin=True)
         await versions.wait_ready()
-        key = request.path_params["version_id"]
+        key = path_id(request, "version_id")
 
         def plan(s: Session) -> tuple[str, VersionRef]:
             row = find_version(s, key)

@@ -18,8 +18,9 @@ from atdp_schema.models import StepStatus
 from proxy import call as calls
 from proxy.call import Call
 from proxy.errors import ApiError, error_body
-from proxy.http import CallBegin, Route, door, model_routes
+from proxy.http import CallBegin, Route, check_body, door, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
+from proxy.shapes import ChatCompletionRequest
 from proxy.state import AppState
 from proxy.translate.sse import encode_data, iter_sse_batches
 from proxy.upstream import UpstreamError, UpstreamResponse, upstream_error
@@ -40,18 +41,12 @@ def _system(messages: list[Any]) -> Any:
     return None
 
 
-def validate(body: Any) -> None:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ApiError(400, "'messages' must be a non-empty array", code="invalid_messages")
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
-        raise ApiError(400, "each message must be an object with a 'role'", code="invalid_messages")
-    if not isinstance(body.get("model"), str):
-        raise ApiError(400, "'model' is required", code="missing_model")
+def validate(request: Request, body: Any) -> None:
+    """The body's shape (types, ids: `proxy.shapes.ChatCompletionRequest`), before anything else."""
+    check_body(ChatCompletionRequest, body, request)
     if body.get("n", 1) not in (1, None):
-        raise ApiError(400, "atdp records one choice per call: use n=1 (send parallel calls for several samples)")
+        raise ApiError(400, "atdp records one choice per call: use n=1 (send parallel calls for several samples)",
+                       param="n")
 
 
 class ChatShaper:
@@ -100,7 +95,7 @@ class ChatShaper:
 
 async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response:
     """The chat door. `call_begin(api, body, messages, **kw)` resolves session and principal."""
-    validate(body)
+    validate(request, body)
     messages = body["messages"]
     call: Call = call_begin(
         "chat.completions", body, messages, system=_system(messages), tools=body.get("tools"),

@@ -21,8 +21,9 @@ from starlette.responses import Response
 from proxy import call as calls
 from proxy.call import Call, open_translated, read_completion, relay, translation_error
 from proxy.errors import ApiError
-from proxy.http import CallBegin, Handler, Route, door, json_response, model_routes
+from proxy.http import CallBegin, Handler, Route, check_body, door, json_response, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
+from proxy.shapes import CountTokensRequest, MessagesRequest
 from proxy.state import AppState
 from proxy.translate import TranslationError
 from proxy.translate.anthropic import count_tokens_chat_body, messages_to_chat
@@ -53,6 +54,7 @@ def echo_units(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response:
+    check_body(MessagesRequest, body, request)
     try:
         req = messages_to_chat(body)
     except TranslationError as e:
@@ -91,6 +93,7 @@ def count_tokens_handler(state: AppState) -> Handler:
     async def count_tokens(request: Request, body: Any, call_begin: CallBegin) -> Response:
         """The prompt's real token count: vLLM renders the translated chat request with the model's
         own chat template (`POST /tokenize`), the same ids a `/v1/messages` call would be given."""
+        check_body(CountTokensRequest, body, request)
         try:
             chat = count_tokens_chat_body(body)
         except TranslationError as e:

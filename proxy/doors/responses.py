@@ -22,8 +22,9 @@ from proxy import call as calls
 from proxy.call import Call, open_translated, read_completion, relay, translation_error
 from proxy.doors.response_store import ResponseStore, Stored
 from proxy.errors import ApiError
-from proxy.http import CallBegin, Handler, Route, door, model_routes
+from proxy.http import CallBegin, Handler, Route, check_body, door, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
+from proxy.shapes import ResponsesRequest
 from proxy.state import AppState
 from proxy.translate import TranslationError
 from proxy.translate.responses import responses_to_chat
@@ -63,18 +64,15 @@ def response_id(call: Call) -> str:
 
 def handler(state: AppState, store: ResponseStore) -> Handler:
     async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response:
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        if not isinstance(body.get("model"), str):
-            raise ApiError(400, "Missing required parameter: 'model'.", code="missing_required_parameter")
+        check_body(ResponsesRequest, body, request)
         history: list[Any] = []
         previous = body.get("previous_response_id")
         if previous is not None:
             # `door` authenticated already; this is the cached answer (a dict lookup).
             principal = await state.authenticate(request)
-            stored = await store.get(principal.tenant, previous) if isinstance(previous, str) else None
+            stored = await store.get(principal.tenant, previous)
             if stored is None:
-                raise ApiError(404, f"Previous response with id '{previous}' not found.",
+                raise ApiError(404, "Previous response not found (previous_response_id).", param="previous_response_id",
                                type="invalid_request_error", code="previous_response_not_found")
             history = stored.items
         try:

@@ -217,8 +217,10 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             "eligibility": r.eligibility, "eligibility_reason": r.eligibility_reason,
             "visibility": r.visibility, "retention_until": r.retention_until, "replay_of": r.replay_of,
         })
+        # A tool name is whatever the model generated: cut to the column (256) rather than have the
+        # database refuse the whole step (a dead letter for a call the client got 200 for).
         call_rows += [{"step_id": r.id, "call_id": tc.call_id, "session_id": sid, "tenant_id": r.session.tenant_id,
-                       "name": pg_safe(tc.name), "arguments": pg_safe(tc.arguments)} for tc in r.tool_calls]
+                       "name": pg_safe(tc.name)[:256], "arguments": pg_safe(tc.arguments)} for tc in r.tool_calls]
         links += [(sid, r.id, tr) for tr in r.tool_results]
     s.execute(insert(t.Step), step_rows)
     if call_rows:

@@ -38,11 +38,14 @@ def _print(obj) -> None:
 
 
 def cmd_forget(args) -> int:
+    from proxy.config import load_settings
     from proxy.governance import forget
+    from proxy.record import deadletters
 
     if not args.session and not args.tenant:
         print("atdp forget needs --session ID or --tenant T", file=sys.stderr)
         return 2
+    spool_dir = load_settings().spool_dir
     engine, tx, _ = _transaction()
     try:
         with tx as s:
@@ -52,26 +55,34 @@ def cmd_forget(args) -> int:
                 except LookupError as e:
                     print(str(e), file=sys.stderr)
                     return 2
-                if report is None:
+                letters = deadletters.purge_session(spool_dir, args.session, report.tenant if report else args.tenant)
+                if report is None and not letters:
                     print(f"no session {args.session!r}", file=sys.stderr)
                     return 1
-                _print({"forgotten": "session", "session_id": args.session, "tenant": report.tenant, **report.counts()})
+                _print({"forgotten": "session", "session_id": args.session,
+                        "tenant": report.tenant if report else letters[0].tenant,
+                        **(report.counts() if report else {}), "dead_letters": len(letters)})
             else:
                 report = forget.forget_tenant(s, args.tenant, actor="cli", reason=args.reason)
-                _print({"forgotten": "tenant", "tenant": args.tenant, **report.counts()})
+                letters = deadletters.purge_tenant(spool_dir, args.tenant)
+                _print({"forgotten": "tenant", "tenant": args.tenant, **report.counts(), "dead_letters": len(letters)})
     finally:
         engine.dispose()
     return 0
 
 
 def cmd_retention(args) -> int:
+    from proxy.config import load_settings
     from proxy.governance import forget
+    from proxy.record import deadletters
 
+    spool_dir = load_settings().spool_dir
     engine, tx, policies = _transaction()
     try:
         with tx as s:
             reports = forget.run_retention(s, policy_for=policies.policy_for, actor="cli")
-        _print({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports]})
+            letters = deadletters.purge_expired(spool_dir, lambda tenant: policies.policy_for(s, tenant).retention_days)
+        _print({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports], "dead_letters": len(letters)})
     finally:
         engine.dispose()
     return 0
