@@ -177,7 +177,7 @@ class Controller:
         deadline = time.monotonic() + WAIT_SLICE_S
         while True:
             with self.factory() as s:
-                ready = lease.count_ready(s)
+                ready = lease.count_ready(s, cfg.policies.holdout_shares(s))
             due = time.monotonic() - self.last_update >= cfg.interval_s
             if ready and (cfg.once or ready >= cfg.min_steps or due):
                 break
@@ -192,7 +192,8 @@ class Controller:
             current = serving_version(s)
             if current is None:
                 return Plan(kind="wait", message="no serving version yet (is the proxy running?)")
-            ids = lease.lease(s, owner=cfg.owner, ttl_s=cfg.lease_ttl_s, max_steps=cfg.max_steps)
+            holdout = cfg.policies.holdout_shares(s)  # the replay gate's sessions stay out
+            ids = lease.lease(s, owner=cfg.owner, ttl_s=cfg.lease_ttl_s, max_steps=cfg.max_steps, holdout=holdout)
         if not ids:  # another trainer took them
             return Plan(kind="wait")
         self.leased = ids
