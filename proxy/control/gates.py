@@ -24,6 +24,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -46,6 +47,7 @@ from proxy.store.versions import (
 from proxy.upstream import Replica
 
 log = logging.getLogger("atdp.gates")
+SwapOutcome = dict[str, Any]  # Versions.swap's answer: ok, error, seconds, replicas
 
 
 class GateError(Exception):
@@ -59,8 +61,9 @@ class GateResult:
     reasons: list[str]
 
 
-async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, actor: str) -> str:
-    """Evaluate `target`, then promote or reject it. Returns the version's final status."""
+async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, actor: str) -> SwapOutcome | None:
+    """Evaluate `target`, then promote or reject it. Returns the promotion's swap outcome (None: no swap);
+    the version's status is in the database."""
     async with versions.lock:
         def begin(s) -> None:
             set_status(s, target.id, VersionStatus.evaluating)
@@ -74,7 +77,7 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
             error = f"candidate weights did not load: {e}"
             await run_db(state, lambda s: (set_gate(s, target.id, REPLAY_GATE, GateState.error, {"error": error},
                                                     finished=True), mark_failed(s, target.id, error, actor=actor)))
-            return VersionStatus.failed
+            return None
         except Exception as e:  # fail closed: a gate that cannot run does not let the version through
             log.exception("replay gate of %s could not run", target.name)
             result = GateResult(GateState.error, {"error": f"{type(e).__name__}: {e}"},
@@ -84,12 +87,12 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
         if result.state not in (GateState.passed, GateState.skipped):
             await run_db(state, lambda s: mark_rejected(s, target.id, result.reasons, actor="gate:" + REPLAY_GATE))
             log.warning("version %s rejected: %s", target.name, "; ".join(result.reasons))
-            return VersionStatus.rejected
+            return None
         # Passed (or nothing to evaluate on): no canary yet, so straight to serving.
         outcome = await versions.swap(target)
         await run_db(state, lambda s: record_swap(s, target, outcome, actor=actor, left_status=VersionStatus.retired,
                                                   candidate=True))
-        return VersionStatus.serving if outcome["ok"] else VersionStatus.failed
+        return outcome
 
 
 class _CandidateLoadError(Exception):

@@ -74,7 +74,8 @@ class Versions:
         self.load_timeout_s = state.settings.swap_load_timeout_s
         self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
 
-    def start_gates(self, target: VersionRef, run: Callable[[], Coroutine[Any, Any, str]]) -> asyncio.Task:
+    def start_gates(self, target: VersionRef, run: Callable[[], Coroutine[Any, Any, dict[str, Any] | None]]
+                    ) -> asyncio.Task:
         """Start a candidate's gates once (a second POST of the same candidate joins the first run)."""
         task = self.gate_tasks.get(target.id)
         if task is None:

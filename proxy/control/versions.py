@@ -88,6 +88,7 @@ def _list_route(state: AppState, versions: Versions) -> Endpoint:
     return list_versions
 
 
+PENDING = (VersionStatus.candidate, VersionStatus.evaluating)
 CREATE_FIELDS = {"checkpoint", "name", "parent", "promote", "reason", "wait"}
 CREATE_SHAPE = ('body must be {"checkpoint": DIR, "name"?: str, "parent"?: str, "promote"?: "now", '
                 '"reason"?: str, "wait"?: bool}')
@@ -120,7 +121,7 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
                     raise ApiError(409, f"version '{name}' exists with another checkpoint ({row.checkpoint})")
                 if row.status in (VersionStatus.failed, VersionStatus.rejected):
                     raise ApiError(409, f"version '{name}' is {row.status}; register the checkpoint under a new name")
-                if not override and row.status not in (VersionStatus.candidate, VersionStatus.serving):
+                if not override and row.status not in (*PENDING, VersionStatus.serving):
                     raise ApiError(409, f"version '{name}' is {row.status}; serve it again with \"promote\": \"now\" "
                                         "or roll back to it")
                 if override and row.status != VersionStatus.serving:
@@ -147,12 +148,13 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
         except IntegrityError:
             raise ApiError(409, f"version name '{name}' was just taken; retry") from None
         if status == VersionStatus.serving or not override:
-            if status == VersionStatus.candidate:
+            if status in PENDING:  # joins the gates already running, or (after a restart) runs them again
                 task = versions.start_gates(target, lambda: run_gates(state, versions, target, actor=principal.actor))
-                if body.get("wait"):
-                    await asyncio.shield(task)
+                outcome = await asyncio.shield(task) if body.get("wait") else None
             detail = await run_db(state, lambda s: version_detail(s, target.id))
-            pending = detail["status"] in (VersionStatus.candidate, VersionStatus.evaluating)
+            if status in PENDING and outcome is not None:  # the promotion's swap, as the override reports it
+                detail["swap"] = {k: outcome.get(k) for k in ("ok", "error", "seconds", "replicas")}
+            pending = detail["status"] in PENDING
             return json_response(detail, 202 if pending else 502 if detail["status"] == VersionStatus.failed else 200)
         async with versions.lock:  # the operator override: swap now, as before the gates existed
             if versions.current is not None and versions.current.id == target.id:

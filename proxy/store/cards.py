@@ -87,6 +87,10 @@ def card_markdown(card: dict[str, Any]) -> str:
     for g in card["gates"] or []:
         lines.append(f"- **{g['gate']}**: {g['state']}")
         n = g.get("numbers") or {}
+        if "cases" in n or "suite_cases" in n:
+            lines.append(f"  - cases: {n.get('suite_cases', 0)} from operator suites, {n.get('held_out_cases', 0)} from "
+                         f"{n.get('held_out_sessions', 0)} held-out sessions ({n.get('unscored_held_out_steps', 0)} "
+                         f"held-out steps without a task rule); {n.get('seconds', '-')} s")
         if "overall" in n:
             o = n["overall"]
             lines.append(f"  - overall: n={o['n']}, candidate {o['candidate_mean']:.3f}, serving {o['serving_mean']:.3f}, "
@@ -107,4 +111,4 @@ def card_markdown(card: dict[str, Any]) -> str:
 
 
 def _inline(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in d.items()) if d else "-"
+    return ", ".join(f"{k} {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in d.items()) if d else "-"

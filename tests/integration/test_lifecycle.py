@@ -153,6 +153,7 @@ def test_trainer_version_passes_the_replay_gate_and_its_card_tells_its_story(
     assert ch["reward"]["mean"] == pytest.approx(sum(rewards) / len(rewards))
     assert ch["reward"]["min"] == min(rewards) and ch["reward"]["max"] == max(rewards)
     assert ch["training"]["swap_status"] == "serving" and "loss" in ch["training"]
+    assert ch["training"]["swap_seconds"] > 0  # the promotion's swap, reported back to the trainer
     assert card["why"] == {"trigger": "trainer schedule", "override": None}
     assert [g["state"] for g in card["gates"]] == ["passed"]
     assert card["affected"] == {"tenants": {proxy.tenant: 1}, "sessions": 1}
@@ -167,6 +168,8 @@ def test_trainer_version_passes_the_replay_gate_and_its_card_tells_its_story(
     monkeypatch.setenv("ATDP_DATABASE_URL", url)
     assert cli.main(["versions", "show", "v1"]) == 0
     markdown = capsys.readouterr().out
+    with capsys.disabled():  # the card of this run, shown with -s (docs/control-plane.md quotes one)
+        print("\n" + markdown)
     assert markdown.startswith("# Version v1 (serving)")
     assert "**replay_eval**: passed" in markdown and f"/atdp/v1/versions/{detail['id']}/rollback" in markdown
     assert cli.main(["versions", "show", "nope"]) == 1
@@ -248,4 +251,5 @@ def test_no_evaluation_set_skips_the_gate_and_promotes(start_proxy, fake_upstrea
     assert r.status_code == 200 and r.json()["status"] == "serving", r.text
     (gate,) = r.json()["gates"]
     assert gate["state"] == "skipped" and gate["numbers"]["suite_cases"] == 0 and "no evaluation" in gate["numbers"]["reason"]
+    assert r.json()["swap"]["ok"] and len(r.json()["swap"]["replicas"]) == 1
     assert fake_upstream.weights == "next"
