@@ -7,8 +7,8 @@ Suite files (`ATDP_EVAL_SUITES`, every `*.jsonl` in the folder), one JSON object
   held-out recorded sessions of that task (tenant and task as recorded, `X-ATDP-Task-Id`).
 
 Held-out sessions (proxy.store.holdout: the tenant's `eval_holdout` share, never trained on) that
-have a reward and a task rule become cases: each step's recorded input, rebuilt as the replay command
-does, scored by the rule. Held-out steps whose task has no rule are counted, not scored.
+have a reward and a task rule become cases: each eligible step's recorded input, rebuilt as the
+replay command does, scored by the rule. Held-out steps whose task has no rule are counted, not scored.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
+from atdp_schema.models import Eligibility
 from proxy.record.replay_inputs import chat_request, rebuild_inputs
 from proxy.store import tables as t
 from proxy.store.holdout import held_out_sql
@@ -112,7 +113,9 @@ def add_held_out(s: Session, evalset: EvalSet, holdout: tuple[dict[str, float], 
     for se in sessions:
         if len(evalset.cases) >= max_cases:
             return
-        steps = list(s.scalars(select(t.Step).where(t.Step.session_id == se.id, t.Step.status == "ok")
+        # Only what the trainer would otherwise have seen: eligible steps (consent, governance) that succeeded.
+        steps = list(s.scalars(select(t.Step).where(t.Step.session_id == se.id, t.Step.status == "ok",
+                                                    t.Step.eligibility == Eligibility.eligible)
                                .order_by(t.Step.seq)))
         rule = evalset.rules.get(se.task_id or "")
         if rule is None:

@@ -81,7 +81,7 @@ def test_replay_gate_rejects_a_perturbed_model_and_passes_an_identical_one(start
         bad = r.json()
         (gate,) = bad["gates"]
         n = gate["numbers"]
-        print("perturbed:", json.dumps(n["overall"]), json.dumps(n["tenants"]))
+        print("perturbed:", json.dumps(n["overall"]), json.dumps(n["tenants"]), f"gate {n['seconds']} s")
         assert bad["status"] == "rejected" and gate["state"] == "failed", bad
         assert n["overall"]["serving_mean"] == 1.0 and n["overall"]["candidate_mean"] < 1.0
         # the engine serves the base weights again: the same greedy answers as before
@@ -92,7 +92,7 @@ def test_replay_gate_rejects_a_perturbed_model_and_passes_an_identical_one(start
         good = r.json()
         (gate,) = good["gates"]
         n = gate["numbers"]
-        print("identical:", json.dumps(n["overall"]))
+        print("identical:", json.dumps(n["overall"]), f"gate {n['seconds']} s")
         assert good["status"] == "serving" and gate["state"] == "passed", good
         assert n["overall"]["diff_mean"] == 0.0 and n["overall"]["candidate_mean"] == 1.0
         assert httpx.get(vllm_server.base_url + "/weight_info", timeout=10).json()["weight_version"] == "same"

@@ -138,3 +138,16 @@ def test_decide_applies_each_tenants_margin_and_the_overall_rule():
     assert decide(mixed, {"acme": 0.5}).passed
     c = compare(mixed)
     assert c.n == 11 and c.candidate_mean == pytest.approx(10 / 11) and c.serving_mean == pytest.approx(10 / 11)
+
+
+def test_an_evaluator_registered_as_an_entry_point_is_found_by_name(tmp_path: Path, monkeypatch):
+    # A distribution on sys.path, as `pip install` would leave it, declaring one `atdp.evaluators` plugin.
+    (tmp_path / "my_scoring.py").write_text("def short(case, answer):\n    return float(len(answer.text) <= 5)\n")
+    info = tmp_path / "my_scoring-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-scoring\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[atdp.evaluators]\nshort-answer = my_scoring:short\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = Registry()
+    assert r.score(_case("short-answer", None), Answer("yes")) == 1.0
+    assert r.score(_case("short-answer", None), Answer("a long answer")) == 0.0
