@@ -253,3 +253,17 @@ def test_no_evaluation_set_skips_the_gate_and_promotes(start_proxy, fake_upstrea
     assert gate["state"] == "skipped" and gate["numbers"]["suite_cases"] == 0 and "no evaluation" in gate["numbers"]["reason"]
     assert r.json()["swap"]["ok"] and len(r.json()["swap"]["replicas"]) == 1
     assert fake_upstream.weights == "next"
+
+
+def test_a_gate_that_cannot_score_rejects_the_candidate(start_proxy, fake_upstream, own_db, tiny_dir, tmp_path):
+    url, factory = own_db
+    suite = [{"id": "broken", "messages": [{"role": "user", "content": "#say hi"}], "evaluator": "command",
+              "expected": ["false"]}]  # a scorer that exits 1: the gate fails closed
+    proxy, _ = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir, tmp_path, holdout=0.0, suite=suite)
+    r = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": "/ckpt/c", "name": "c", "wait": True},
+                   headers=ADMIN, timeout=60)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "rejected", r.text
+    (gate,) = body["gates"]
+    assert gate["state"] == "error" and "exited 1" in gate["numbers"]["error"] and "exited 1" in body["error"]
+    assert fake_upstream.weights == "base" and [x.version for x in proxy.state.pool.replicas] == ["base"]
