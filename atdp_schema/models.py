@@ -50,11 +50,31 @@ class FeedbackSource(StrEnum):
 
 
 class VersionStatus(StrEnum):
+    """A version's lifecycle: candidate -> evaluating -> (canary ->) serving -> retired.
+
+    `rejected`: a gate failed; `rolled_back`: it served and an operator (or a trigger) restored the
+    version before it; `failed`: its weights could not be loaded (swap error)."""
+
     candidate = "candidate"
+    evaluating = "evaluating"
+    canary = "canary"
     serving = "serving"
     retired = "retired"
+    rejected = "rejected"
     rolled_back = "rolled_back"
     failed = "failed"
+
+
+class GateState(StrEnum):
+    """One gate of a version (replay evaluation, ...)."""
+
+    pending = "pending"
+    running = "running"
+    passed = "passed"
+    failed = "failed"
+    skipped = "skipped"  # nothing to evaluate on (no held-out sessions, no operator suites)
+    overridden = "overridden"  # the operator promoted the version without its gates
+    error = "error"  # the gate could not run (engine or evaluator trouble)
 
 
 class TokenSource(StrEnum):

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from proxy.demo import run as demo
-from proxy.tools import deadletters, diagnose, export, governance, replay, serve
+from proxy.tools import deadletters, diagnose, export, governance, replay, serve, versions
 from trainer import main as train
 
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Every command, explicitly imported above: a module that fails to import fails the CLI loudly.
     # Heavy dependencies (torch, uvicorn, the demo's processes) are imported inside each command.
     for register in (serve.register, export.register, replay.register, governance.register, diagnose.register,
-                     deadletters.register, train.register, demo.register):
+                     deadletters.register, versions.register, train.register, demo.register):
         register(sub)
     return p
 

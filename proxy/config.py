@@ -90,6 +90,12 @@ class Settings(BaseSettings):
     swap_hold_timeout_s: float = 60.0
     swap_drain_timeout_s: float = 120.0  # how long a swap waits for a replica's in-flight calls
     swap_load_timeout_s: float = 600.0  # how long vLLM may take to reload weights
+    # The replay gate (docs/control-plane.md): a folder of operator suites (*.jsonl), the most
+    # cases one evaluation replays, the longest answer it asks for per case, and how many at once.
+    eval_suites: Path | None = None
+    eval_max_cases: int = Field(default=256, ge=1)
+    eval_max_tokens: int = Field(default=128, ge=1)
+    eval_concurrency: int = Field(default=4, ge=1)  # cases in flight at once (1: each alone, fully repeatable)
     session_ttl_s: float = 24 * 3600.0
     otel_exporter: str = "none"  # none | console | otlp
     redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use

@@ -2,7 +2,8 @@
 
 A step is trainable when
     eligibility = 'eligible', token_source in ('engine', 'rederived'), it has output tokens,
-    trained_version_id IS NULL, skipped_reason IS NULL, and it is rewarded:
+    trained_version_id IS NULL, skipped_reason IS NULL, its session is not held out for evaluation
+    (the tenant's `eval_holdout` share, proxy.store.holdout), and it is rewarded:
     a feedback row with a reward names the step, or its session has session-level rewards.
 A lease sets `lease_owner` and `lease_expires_at` (database clock) on rows locked with
 `FOR UPDATE SKIP LOCKED`: two trainers never take the same step, and a crashed trainer's steps come
@@ -29,6 +30,7 @@ from sqlalchemy.orm import Session
 from atdp_schema.models import Eligibility, TokenSource
 from proxy.governance.policies import Policies
 from proxy.store import tables as t
+from proxy.store.holdout import held_out_sql
 from proxy.store.rewards import combine_rewards
 from proxy.store.tokens import TRAINABLE_SOURCES, rebuild_prompt_ids, unrle
 from trainer.batch import StepTokens
@@ -38,7 +40,11 @@ from trainer.sampling import from_params as sampling_of
 UNKNOWN_LAG = 1_000_000
 
 
-def _trainable():
+Holdout = tuple[dict[str, float], float]  # ({tenant: eval_holdout share}, default share): Policies.holdout_shares
+NO_HOLDOUT: Holdout = ({}, 0.0)
+
+
+def _trainable(holdout: Holdout = NO_HOLDOUT):
     step_reward = exists().where(t.Feedback.step_id == t.Step.id, t.Feedback.reward.is_not(None))
     session_reward = exists().where(
         t.Feedback.session_id == t.Step.session_id, t.Feedback.step_id.is_(None), t.Feedback.reward.is_not(None)
@@ -50,6 +56,8 @@ def _trainable():
         t.Step.trained_version_id.is_(None),
         t.Step.skipped_reason.is_(None),
         or_(step_reward, session_reward),
+        # The replay gate's evaluation set (proxy.store.holdout): never trained on.
+        ~exists().where(t.Session.id == t.Step.session_id, held_out_sql(*holdout)),
     )
 
 
@@ -57,17 +65,18 @@ def _free():
     return or_(t.Step.lease_owner.is_(None), t.Step.lease_expires_at < func.now())
 
 
-def count_ready(s: Session) -> int:
+def count_ready(s: Session, holdout: Holdout = NO_HOLDOUT) -> int:
     """Trainable steps nobody holds a live lease on."""
-    return s.scalar(select(func.count()).select_from(t.Step).where(_trainable(), _free())) or 0
+    return s.scalar(select(func.count()).select_from(t.Step).where(_trainable(holdout), _free())) or 0
 
 
-def lease(s: Session, *, owner: str, ttl_s: float, max_steps: int) -> list[str]:
-    """Take up to max_steps trainable steps (oldest first) for `owner`; commits nothing itself."""
+def lease(s: Session, *, owner: str, ttl_s: float, max_steps: int, holdout: Holdout = NO_HOLDOUT) -> list[str]:
+    """Take up to max_steps trainable steps (oldest first) for `owner`; commits nothing itself.
+    `holdout`: the tenants' evaluation shares; their held-out sessions are never leased."""
     ids = list(
         s.scalars(
             select(t.Step.id)
-            .where(_trainable(), _free())
+            .where(_trainable(holdout), _free())
             .order_by(t.Step.started_at, t.Step.seq)
             .limit(max_steps)
             .with_for_update(of=t.Step, skip_locked=True)

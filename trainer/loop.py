@@ -22,6 +22,7 @@ version (weights and optimizer state).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -136,14 +137,11 @@ class Controller:
         self.last_update = time.monotonic()
         self.leased: list[str] = []
         self.display = Display(enabled=sys.stdout.isatty())
-        self._logprobs_mode: str | None = None
 
+    @functools.cached_property
     def logprobs_mode(self) -> str:
         """How the engine reports behaviour logprobs ("raw" | "processed"); asked once."""
-        if self._logprobs_mode is None:
-            self._logprobs_mode = resolve_logprobs_mode(self.cfg.behaviour_logprobs, self.cfg.engine_url,
-                                                        api_key=self.cfg.engine_api_key)
-        return self._logprobs_mode
+        return resolve_logprobs_mode(self.cfg.behaviour_logprobs, self.cfg.engine_url, api_key=self.cfg.engine_api_key)
 
     def start_run(self) -> str:
         from proxy.store import tables as t
@@ -179,7 +177,7 @@ class Controller:
         deadline = time.monotonic() + WAIT_SLICE_S
         while True:
             with self.factory() as s:
-                ready = lease.count_ready(s)
+                ready = lease.count_ready(s, cfg.policies.holdout_shares(s))
                 held = cfg.gate(s) if ready and cfg.gate else None
             due = time.monotonic() - self.last_update >= cfg.interval_s
             if ready and not held and (cfg.once or ready >= cfg.min_steps or due):
@@ -195,13 +193,14 @@ class Controller:
             current = serving_version(s)
             if current is None:
                 return Plan(kind="wait", message="no serving version yet (is the proxy running?)")
-            ids = lease.lease(s, owner=cfg.owner, ttl_s=cfg.lease_ttl_s, max_steps=cfg.max_steps)
+            holdout = cfg.policies.holdout_shares(s)  # the replay gate's sessions stay out
+            ids = lease.lease(s, owner=cfg.owner, ttl_s=cfg.lease_ttl_s, max_steps=cfg.max_steps, holdout=holdout)
         if not ids:  # another trainer took them
             return Plan(kind="wait")
         self.leased = ids
         with self.factory() as s, s.begin():
             loaded = lease.load(s, ids, current=current.name, policies=cfg.policies,
-                                processed=self.logprobs_mode() == "processed")
+                                processed=self.logprobs_mode == "processed")
             fresh, stale = split_stale(loaded.steps, max_version_lag=cfg.max_version_lag)
             reasons = dict(loaded.skipped)
             for st in stale:

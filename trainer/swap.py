@@ -4,8 +4,11 @@ Order, so that the version and its lineage are consistent whatever fails:
 1. the checkpoint is written atomically (trainer.checkpoint) under ATDP_HOME/checkpoints/<name>;
 2. one transaction: a `candidate` model_versions row (parent = the version trained from), its
    version_lineage rows (step, reward, advantage), the steps' trained_version_id, leases cleared;
-3. POST /atdp/v1/versions {"checkpoint", "name", "parent"} with the admin key: the proxy swaps every
-   replica and sets the status (`serving`, or `failed` + error with the steps released).
+3. POST /atdp/v1/versions {"checkpoint", "name", "parent", "wait": true} with the admin key: the proxy
+   runs the candidate's gates (docs/control-plane.md) and, when they pass, swaps every replica; it
+   answers with the final status (`serving`; `rejected` or `failed` + error, with the steps released).
+   The trainer never uses the operator override: its versions always go through the gates (which
+   are skipped, and the version promoted, while no evaluation set is configured).
 If the proxy cannot be reached, the trainer marks the candidate failed itself (same release).
 """
 
@@ -86,7 +89,7 @@ def request_swap(
 ) -> SwapOutcome:
     """Ask the proxy to swap every replica to the version; the proxy records the status."""
     headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
-    body = {"checkpoint": checkpoint, "name": name, "parent": parent}
+    body = {"checkpoint": checkpoint, "name": name, "parent": parent, "wait": True}
     try:
         resp = httpx.post(proxy_url.rstrip("/") + "/atdp/v1/versions", json=body, headers=headers,
                           timeout=timeout_s, trust_env=False)
@@ -99,7 +102,7 @@ def request_swap(
     if resp.status_code in (200, 502) and "status" in data:
         swap = data.get("swap") or {}
         return SwapOutcome(ok=data["status"] == VersionStatus.serving, version_id=version_id, name=name, status=data["status"],
-                           seconds=swap.get("seconds"), error=swap.get("error"), response=data)
+                           seconds=swap.get("seconds"), error=swap.get("error") or data.get("error"), response=data)
     # Refused before any swap (auth, validation, proxy not ready): the candidate never served.
     message = (data.get("error") or {}).get("message") if isinstance(data.get("error"), dict) else None
     return _proxy_unreachable(factory, version_id, name, f"proxy answered {resp.status_code}: {message or resp.text[:300]}")

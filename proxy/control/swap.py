@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -71,6 +72,17 @@ class Versions:
         self.ready = threading.Event()
         self.drain_timeout_s = state.settings.swap_drain_timeout_s
         self.load_timeout_s = state.settings.swap_load_timeout_s
+        self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
+
+    def start_gates(self, target: VersionRef, run: Callable[[], Coroutine[Any, Any, dict[str, Any] | None]]
+                    ) -> asyncio.Task:
+        """Start a candidate's gates once (a second POST of the same candidate joins the first run)."""
+        task = self.gate_tasks.get(target.id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(run(), name=f"gates:{target.name}")
+            self.gate_tasks[target.id] = task
+            task.add_done_callback(lambda _: self.gate_tasks.pop(target.id, None))
+        return task
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -176,7 +188,7 @@ class Versions:
                     except BaseException:
                         # The reload may have half-replaced the weights: put the old ones back before
                         # the gate reopens.
-                        await self._restore(replica, previous)
+                        await self.restore(replica, previous)
                         raise
                     replica.version = target.name
                 done.append(replica)
@@ -186,7 +198,7 @@ class Versions:
             error = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (drain timeout?)"
             for replica in done:
                 async with pool.swapping(replica, self.drain_timeout_s):
-                    await self._restore(replica, previous)
+                    await self.restore(replica, previous)
             telemetry.SWAPS.labels("failed").inc()
             log.error("swap to %s failed (%s); %s serves on every replica", target.name, error, previous.name)
             return {"ok": False, "error": error, "seconds": time.perf_counter() - t0, "replicas": timings}
@@ -197,7 +209,7 @@ class Versions:
         log.info("now serving %s on %d replica(s) (%.3f s)", target.name, len(done), seconds)
         return {"ok": True, "error": None, "seconds": seconds, "replicas": timings}
 
-    async def _restore(self, replica: Replica, previous: VersionRef) -> None:
+    async def restore(self, replica: Replica, previous: VersionRef) -> None:
         try:
             assert self.state.client is not None, "the app is not started"
             await load_weights(self.state.client, replica, previous.checkpoint, previous.name,

@@ -2,8 +2,15 @@
 
 Routes (admin key):
 - `GET /atdp/v1/versions`: every version, newest first, and what each replica serves now.
-- `POST /atdp/v1/versions` `{"checkpoint": DIR, "name": str?, "parent": str?}`: registers the
-  checkpoint as a version (or finds it by name) and swaps every replica to it.
+- `POST /atdp/v1/versions` `{"checkpoint": DIR, "name"?, "parent"?, "promote"?: "now", "reason"?,
+  "wait"?: bool}`: registers the checkpoint as a `candidate` (or finds it by name) and starts its gates
+  in the background (proxy.control.gates): 202 with the version; gates passed -> `serving` (no canary
+  yet), failed -> `rejected`. `"wait": true` answers when the gates (and the swap) are done.
+  `"promote": "now"` is the operator override: audited (`version.promote_override`: who, when, why),
+  shown on the card, and swaps at once as before the gates existed; also how a retired version is
+  served again.
+- `GET /atdp/v1/versions/{id}` (id or name): status, every gate's state and numbers, the override.
+- `GET /atdp/v1/versions/{id}/card`: the version card (proxy.store.cards).
 - `POST /atdp/v1/versions/{id}/rollback`: the serving version is left (`rolled_back`) and the one
   that served before it is restored (`serving`), by the same swap.
 
@@ -19,6 +26,7 @@ marked `failed` with the error, its lineage rows stay (what was tried), and its 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import UTC, datetime
 
@@ -29,14 +37,25 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from atdp_schema.models import VersionStatus
+from proxy.control.gates import run_gates
 from proxy.control.swap import Versions
 from proxy.errors import ApiError
 from proxy.http import Endpoint, Route, json_response, path_id, read_json, run_db
 from proxy.shapes import id_problem, text_problem
 from proxy.state import AppState
 from proxy.store import tables as t
+from proxy.store.cards import version_card
 from proxy.store.ids import new_id
-from proxy.store.versions import VersionRef, find_version, next_name, record_swap, swap_result, version_json
+from proxy.store.versions import (
+    VersionRef,
+    find_version,
+    next_name,
+    record_override,
+    record_swap,
+    swap_result,
+    version_detail,
+    version_json,
+)
 
 log = logging.getLogger("atdp.versions")
 
@@ -45,6 +64,8 @@ def routes(state: AppState, versions: Versions) -> list[Route]:
     return [
         Route("/atdp/v1/versions", _list_route(state, versions), ("GET",)),
         Route("/atdp/v1/versions", _create_route(state, versions), ("POST",)),
+        Route("/atdp/v1/versions/{version_id}", _show_route(state, versions), ("GET",)),
+        Route("/atdp/v1/versions/{version_id}/card", _card_route(state), ("GET",)),
         Route("/atdp/v1/versions/{version_id}/rollback", _rollback_route(state, versions), ("POST",)),
     ]
 
@@ -68,33 +89,50 @@ def _list_route(state: AppState, versions: Versions) -> Endpoint:
     return list_versions
 
 
+PENDING = (VersionStatus.candidate, VersionStatus.evaluating)
+CREATE_FIELDS = {"checkpoint", "name", "parent", "promote", "reason", "wait"}
+CREATE_SHAPE = ('body must be {"checkpoint": DIR, "name"?: str, "parent"?: str, "promote"?: "now", '
+                '"reason"?: str, "wait"?: bool}')
+
+
 def _create_route(state: AppState, versions: Versions) -> Endpoint:
     async def create(request: Request) -> Response:
         principal = await state.authenticate(request, admin=True)
         body = await read_json(request, 64 * 1024)
         if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str) or not body["checkpoint"]:
-            raise ApiError(422, "body must be {\"checkpoint\": DIR, \"name\"?: str, \"parent\"?: str}")
-        unknown = sorted(set(body) - {"checkpoint", "name", "parent"})
+            raise ApiError(422, CREATE_SHAPE)
+        unknown = sorted(set(body) - CREATE_FIELDS)
         if unknown:
-            raise ApiError(422, f"unknown fields {unknown}")
-        for key in ("name", "parent"):
+            raise ApiError(422, f"unknown fields {unknown}; {CREATE_SHAPE}")
+        for key in ("name", "parent", "reason"):
             if body.get(key) is not None and (not isinstance(body[key], str) or not 0 < len(body[key]) <= 128
                                               or id_problem(body[key])):
                 raise ApiError(422, f"'{key}' must be a string of 1 to 128 characters without control characters",
                                param=key)
         if problem := text_problem(body["checkpoint"], 4096):
             raise ApiError(422, f"'checkpoint' {problem}", param="checkpoint")
+        if body.get("promote") not in (None, "now"):
+            raise ApiError(422, "'promote' must be \"now\" (the operator override that skips the gates) or absent",
+                           param="promote")
+        if not isinstance(body.get("wait", False), bool):
+            raise ApiError(422, "'wait' must be true or false", param="wait")
         await versions.wait_ready()
         checkpoint, name, parent = body["checkpoint"], body.get("name"), body.get("parent")
+        override = body.get("promote") == "now"
 
-        def register(s: Session) -> VersionRef:
+        def register(s: Session) -> tuple[VersionRef, str]:
             row = find_version(s, name) if name else None
             if row is not None:
                 if row.checkpoint != checkpoint:
                     raise ApiError(409, f"version '{name}' exists with another checkpoint ({row.checkpoint})")
-                if row.status == VersionStatus.failed:
-                    raise ApiError(409, f"version '{name}' failed to swap in; register the checkpoint under a new name")
-                return VersionRef(row.id, row.name, row.checkpoint)
+                if row.status in (VersionStatus.failed, VersionStatus.rejected):
+                    raise ApiError(409, f"version '{name}' is {row.status}; register the checkpoint under a new name")
+                if not override and row.status not in (*PENDING, VersionStatus.serving):
+                    raise ApiError(409, f"version '{name}' is {row.status}; serve it again with \"promote\": \"now\" "
+                                        "or roll back to it")
+                if override and row.status != VersionStatus.serving:
+                    record_override(s, row.id, actor=principal.actor, reason=body.get("reason"))
+                return VersionRef(row.id, row.name, row.checkpoint), row.status
             parent_row = find_version(s, parent) if parent else None
             if parent and parent_row is None:
                 raise ApiError(404, f"parent version '{parent}' not found")
@@ -104,24 +142,68 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
                 metrics={}, created_at=datetime.now(UTC),
             )
             s.add(row)
+            s.flush()
             s.add(t.AuditEvent(actor=principal.actor, action="version.register", target=row.id,
                                details={"name": row.name, "checkpoint": checkpoint}))
-            return VersionRef(row.id, row.name, row.checkpoint)
+            if override:
+                record_override(s, row.id, actor=principal.actor, reason=body.get("reason"))
+            return VersionRef(row.id, row.name, row.checkpoint), row.status
 
-        async with versions.lock:
-            try:
-                target = await run_db(state, register)
-            except IntegrityError:
-                raise ApiError(409, f"version name '{name}' was just taken; retry") from None
+        try:
+            target, status = await run_db(state, register)
+        except IntegrityError:
+            raise ApiError(409, f"version name '{name}' was just taken; retry") from None
+        if status == VersionStatus.serving or not override:
+            if status in PENDING:  # joins the gates already running, or (after a restart) runs them again
+                task = versions.start_gates(target, lambda: run_gates(state, versions, target, actor=principal.actor))
+                outcome = await asyncio.shield(task) if body.get("wait") else None
+            detail = await run_db(state, lambda s: version_detail(s, target.id))
+            if status in PENDING and outcome is not None:  # the promotion's swap, as the override reports it
+                detail["swap"] = {k: outcome.get(k) for k in ("ok", "error", "seconds", "replicas")}
+            pending = detail["status"] in PENDING
+            return json_response(detail, 202 if pending else 502 if detail["status"] == VersionStatus.failed else 200)
+        async with versions.lock:  # the operator override: swap now, as before the gates existed
             if versions.current is not None and versions.current.id == target.id:
                 return json_response(await run_db(state, lambda s: swap_result(s, target.id, {"ok": True, "seconds": 0.0})))
             outcome = await versions.swap(target)
             await run_db(state, lambda s: record_swap(s, target, outcome, actor=principal.actor, left_status=VersionStatus.retired,
-                                                candidate=True))
+                                                candidate=status == VersionStatus.candidate))
             body = await run_db(state, lambda s: swap_result(s, target.id, outcome))
         return json_response(body, 200 if outcome["ok"] else 502)
 
     return create
+
+
+def _show_route(state: AppState, versions: Versions) -> Endpoint:
+    async def show(request: Request) -> Response:
+        await state.authenticate(request, admin=True)
+        key = request.path_params["version_id"]
+
+        def read(s: Session) -> dict:
+            row = find_version(s, key)
+            if row is None:
+                raise ApiError(404, f"version '{key}' not found")
+            return version_detail(s, row.id)
+
+        return json_response(await run_db(state, read))
+
+    return show
+
+
+def _card_route(state: AppState) -> Endpoint:
+    async def card(request: Request) -> Response:
+        await state.authenticate(request, admin=True)
+        key = request.path_params["version_id"]
+
+        def read(s: Session) -> dict:
+            found = version_card(s, key)
+            if found is None:
+                raise ApiError(404, f"version '{key}' not found")
+            return found
+
+        return json_response(await run_db(state, read))
+
+    return card
 
 
 def _rollback_route(state: AppState, versions: Versions) -> Endpoint:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from proxy.config import Settings
@@ -42,6 +43,12 @@ class Policies:
         if row is None or not row.policy:
             return base
         return TenantPolicy.from_dict({**base.to_dict(), **row.policy})
+
+    def holdout_shares(self, s: Session) -> tuple[dict[str, float], float]:
+        """({tenant: eval_holdout} for tenants with their own policy, the default share)."""
+        tenants = set(self._file) - {"default"}
+        tenants |= set(s.scalars(select(t.Tenant.id).where(t.Tenant.policy_updated_at.is_not(None))))
+        return {x: self.policy_for(s, x).eval_holdout for x in sorted(tenants)}, self._file["default"].eval_holdout
 
     def set_policy(self, s: Session, tenant: str, changes: dict, *, actor: str) -> TenantPolicy:
         """Apply (validated) policy changes for a tenant and audit them."""

@@ -49,6 +49,13 @@ class TenantPolicy:
     redaction_entities: tuple[str, ...] | None = None
     redaction_style: Literal["placeholder", "hash"] = "placeholder"
     redaction_allow_list: tuple[str, ...] = ()
+    # The control plane (docs/control-plane.md). Share of rewarded sessions held out of training as
+    # the replay gate's evaluation set; 0 (the default) keeps every session trainable, so gates stay
+    # off until the operator asks for a held-out set or adds a suite.
+    eval_holdout: float = 0.0
+    # Replay gate: a candidate fails when a tenant's paired-difference 95% interval reaches below
+    # -max_regression (score units, 0..1).
+    max_regression: float = 0.05
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +81,10 @@ class TenantPolicy:
             raise PolicyError(
                 f"reward_combine must be one of {list(REWARD_COMBINE)}, not {self.reward_combine!r}"
             )
+        for name, low, high in (("eval_holdout", 0.0, 0.5), ("max_regression", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise PolicyError(f"{name} must be a number from {low} to {high}, not {value!r}")
         for name in ("secrets_eligibility", "pii_eligibility", "error_eligibility"):
             value = getattr(self, name)
             if value not in ELIGIBILITY_LEVELS:

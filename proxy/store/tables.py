@@ -223,6 +223,18 @@ class VersionLineage(Base):
     advantage: Mapped[float | None] = mapped_column(Float)
 
 
+class VersionGate(Base):
+    """One gate of a version: its state and its numbers (docs/control-plane.md)."""
+
+    __tablename__ = "version_gates"
+    version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True)
+    gate: Mapped[str] = mapped_column(String(32), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))
+    numbers: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    started_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    finished_at: Mapped[datetime | None]
+
+
 class TrainingRun(Base):
     __tablename__ = "training_runs"
     id: Mapped[str] = mapped_column(String(36), primary_key=True)

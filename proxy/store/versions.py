@@ -101,3 +101,71 @@ def swap_result(s: Session, version_id: str, outcome: dict, left_id: str | None 
         left = s.get(t.ModelVersion, left_id, populate_existing=True)
         body["rolled_back"] = {"id": left.id, "name": left.name, "status": left.status}
     return body
+
+
+# --- the lifecycle's gates (docs/control-plane.md) ---------------------------------------------------
+
+REPLAY_GATE = "replay_eval"
+OVERRIDE_ACTION = "version.promote_override"
+
+
+def set_status(s: Session, version_id: str, status: str) -> None:
+    s.execute(update(t.ModelVersion).where(t.ModelVersion.id == version_id).values(status=status))
+
+
+def set_gate(s: Session, version_id: str, gate: str, state: str, numbers: dict[str, Any] | None = None, *,
+             finished: bool = False) -> None:
+    """Insert or update one gate row of a version."""
+    row = s.get(t.VersionGate, (version_id, gate))
+    if row is None:
+        row = t.VersionGate(version_id=version_id, gate=gate, state=state, numbers=numbers or {},
+                            started_at=datetime.now(UTC))
+        s.add(row)
+    row.state = state
+    if numbers is not None:
+        row.numbers = numbers
+    row.finished_at = datetime.now(UTC) if finished else None
+
+
+def gates_json(s: Session, version_id: str) -> list[dict[str, Any]]:
+    rows = s.scalars(select(t.VersionGate).where(t.VersionGate.version_id == version_id)
+                     .order_by(t.VersionGate.started_at)).all()
+    return [{"gate": g.gate, "state": g.state, "numbers": g.numbers,
+             "started_at": g.started_at.isoformat() if g.started_at else None,
+             "finished_at": g.finished_at.isoformat() if g.finished_at else None} for g in rows]
+
+
+def override_of(s: Session, version_id: str) -> dict[str, Any] | None:
+    """Who promoted the version past its gates, and when (the audit row), or None."""
+    row = s.scalars(select(t.AuditEvent).where(t.AuditEvent.target == version_id,
+                                               t.AuditEvent.action == OVERRIDE_ACTION)
+                    .order_by(t.AuditEvent.at).limit(1)).first()
+    return {"actor": row.actor, "at": row.at.isoformat(), **row.details} if row else None
+
+
+def record_override(s: Session, version_id: str, *, actor: str, reason: str | None) -> None:
+    s.add(t.AuditEvent(actor=actor, action=OVERRIDE_ACTION, target=version_id,
+                       details={"promote": "now", "reason": reason}))
+    set_gate(s, version_id, REPLAY_GATE, "overridden", {"by": actor, "reason": reason}, finished=True)
+
+
+def mark_rejected(s: Session, version_id: str, reasons: list[str], *, actor: str = "system") -> int:
+    """A gate failed: status `rejected` with the reasons; like a failed swap, its steps are released so a
+    later update can train on them (its lineage rows stay: what was tried)."""
+    s.execute(update(t.ModelVersion).where(t.ModelVersion.id == version_id)
+              .values(status=VersionStatus.rejected, error="; ".join(reasons)[:4000], retired_at=datetime.now(UTC)))
+    released = s.execute(
+        update(t.Step).where(t.Step.trained_version_id == version_id).values(trained_version_id=None)
+    ).rowcount
+    s.add(t.AuditEvent(actor=actor, action="version.rejected", target=version_id,
+                       details={"reasons": reasons[:20], "released_steps": released}))
+    return released
+
+
+def version_detail(s: Session, version_id: str) -> dict[str, Any]:
+    """GET /atdp/v1/versions/{id}: the version, every gate's state and numbers, and the override if any."""
+    v = s.get(t.ModelVersion, version_id, populate_existing=True)
+    body = version_json(s, v, lineage=False)
+    body["gates"] = gates_json(s, v.id)
+    body["override"] = override_of(s, v.id)
+    return body

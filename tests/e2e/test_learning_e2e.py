@@ -132,7 +132,7 @@ def _run_arm(proxy, vllm_server, url: str, home: Path, subset: set[int], *, shuf
             pytest.fail(died, pytrace=False)
         listing = httpx.get(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
         base = next(v for v in listing["data"] if v["name"] == "base")
-        back = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": base["checkpoint"], "name": "base"},
+        back = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": base["checkpoint"], "name": "base", "promote": "now"},
                           headers=ADMIN, timeout=120)
         if back.status_code != 200:
             swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")

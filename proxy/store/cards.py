@@ -1,0 +1,114 @@
+"""The version card: for one version, what changed, why, its gates, whom it affected, how to roll back.
+
+Read from the SQL view `atdp_version_cards` (migration 0003), so an operator's `SELECT * FROM
+atdp_version_cards` and `GET /atdp/v1/versions/{id}/card` say the same; `card_markdown` renders it
+for `atdp versions show NAME`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from atdp_schema.models import VersionStatus
+from proxy.store.versions import find_version, override_of
+
+ROLLBACK_COMMAND = ('curl -sX POST "$ATDP_URL/atdp/v1/versions/{id}/rollback" '
+                    '-H "authorization: Bearer $ATDP_ADMIN_KEY"')
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None else round(float(value), 6)
+
+
+def version_card(s: Session, key: str) -> dict[str, Any] | None:
+    """The card of a version (by id or name), or None."""
+    v = find_version(s, key)
+    if v is None:
+        return None
+    row = s.execute(text("SELECT * FROM atdp_version_cards WHERE version_id = :id"), {"id": v.id}).mappings().one()
+    served = row["status"] in (VersionStatus.serving, VersionStatus.canary)
+    restores = row["rollback_restores"]
+    override = override_of(s, v.id)
+    return {
+        "version": {"id": v.id, "name": v.name, "status": row["status"], "checkpoint": row["checkpoint"],
+                    "created_at": _iso(row["created_at"]), "served_at": _iso(row["served_at"]),
+                    "retired_at": _iso(row["retired_at"]), "error": v.error},
+        "changed": {
+            "parent": row["parent"],
+            "lineage": {"steps": row["trained_steps"], "sessions": row["trained_sessions"],
+                        "tenants": sorted(row["trained_tenants"] or []), "tasks": sorted(row["trained_tasks"] or [])},
+            "reward": {"mean": _num(row["reward_mean"]), "std": _num(row["reward_std"]),
+                       "min": _num(row["reward_min"]), "max": _num(row["reward_max"])},
+            "training": row["training_metrics"] or {},
+        },
+        "why": {"trigger": row["why"], "override": override},
+        "gates": row["gates"],
+        "affected": {"tenants": row["affected_sessions"],
+                     "sessions": sum(row["affected_sessions"].values())},
+        "rollback": {
+            "possible": served and restores is not None,
+            "command": ROLLBACK_COMMAND.format(id=v.id) if served else None,
+            "restores": restores,
+            "note": (f"swaps every replica back to {restores} and marks {v.name} rolled_back" if served and restores
+                     else f"{v.name} is {row['status']}: only the serving version can be rolled back"
+                     if not served else f"{v.name} has no earlier serving version to restore"),
+        },
+    }
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def card_markdown(card: dict[str, Any]) -> str:
+    v, ch, why, rb = card["version"], card["changed"], card["why"], card["rollback"]
+    lin, rw = ch["lineage"], ch["reward"]
+    lines = [
+        f"# Version {v['name']} ({v['status']})", "",
+        f"- id: `{v['id']}`", f"- checkpoint: `{v['checkpoint']}`",
+        f"- created {v['created_at']}, served {v['served_at'] or '-'}, retired {v['retired_at'] or '-'}",
+        *([f"- error: {v['error']}"] if v["error"] else []), "",
+        "## Changed", "",
+        f"- parent: {ch['parent'] or '-'}",
+        f"- trained on {lin['steps']} steps of {lin['sessions']} sessions; tenants {', '.join(lin['tenants']) or '-'}; "
+        f"tasks {', '.join(lin['tasks']) or '-'}",
+        f"- reward of that data: mean {rw['mean']}, std {rw['std']}, min {rw['min']}, max {rw['max']}",
+        f"- training metrics: {_inline(ch['training'])}", "",
+        "## Why", "", f"- trigger: {why['trigger']}",
+    ]
+    if why["override"]:
+        o = why["override"]
+        lines.append(f"- operator override `promote: now` by {o['actor']} at {o['at']}"
+                     + (f": {o['reason']}" if o.get("reason") else ""))
+    lines += ["", "## Gates", ""]
+    for g in card["gates"] or []:
+        lines.append(f"- **{g['gate']}**: {g['state']}")
+        n = g.get("numbers") or {}
+        if "cases" in n or "suite_cases" in n:
+            lines.append(f"  - cases: {n.get('suite_cases', 0)} from operator suites, {n.get('held_out_cases', 0)} from "
+                         f"{n.get('held_out_sessions', 0)} held-out sessions ({n.get('unscored_held_out_steps', 0)} "
+                         f"held-out steps without a task rule); {n.get('seconds', '-')} s")
+        if "overall" in n:
+            o = n["overall"]
+            lines.append(f"  - overall: n={o['n']}, candidate {o['candidate_mean']:.3f}, serving {o['serving_mean']:.3f}, "
+                         f"difference {o['diff_mean']:+.3f} [{o['ci_low']:+.3f}, {o['ci_high']:+.3f}]")
+            for tenant, c in n.get("tenants", {}).items():
+                lines.append(f"  - {tenant}: n={c['n']}, difference {c['diff_mean']:+.3f} "
+                             f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}], max_regression {n['max_regression'][tenant]}")
+            lines += [f"  - {reason}" for reason in n.get("reasons", [])]
+        elif n:
+            lines.append(f"  - {_inline(n)}")
+    if not card["gates"]:
+        lines.append("- none (registered before gates, or the base version)")
+    lines += ["", "## Affected", "", f"- {card['affected']['sessions']} sessions: {_inline(card['affected']['tenants'])}",
+              "", "## Rollback", "", f"- {rb['note']}"]
+    if rb["command"]:
+        lines.append(f"- `{rb['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def _inline(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in d.items()) if d else "-"
