@@ -235,31 +235,14 @@ def test_previous_response_id_unknown_foreign_or_not_stored_is_404(start_proxy, 
     assert client.responses.create(model="fake", previous_response_id=mine.id, input="y").status == "completed"
 
 
-def test_errors_are_openai_shaped(start_proxy, fake_upstream, factory):
+def test_errors_are_openai_shaped(start_proxy, fake_upstream):
+    """The door's own validation; malformed JSON, vLLM's 400, a stream that dies and a wrong key are
+    in test_doors.py (every door)."""
     proxy = start_proxy([fake_upstream.url])
     r = httpx.post(proxy.v1 + "/responses", json={"model": "fake"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "Missing required parameter: 'input'."
     r = httpx.post(proxy.v1 + "/responses", json={"model": "fake", "input": 5})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as e:
-        sdk(proxy).responses.create(model="fake", input="#fail400")
-    assert e.value.body["message"] == "scripted bad request" and e.value.body["type"] == "invalid_request_error"
-    step = proxy.steps(factory)[-1]
-    assert step.status == "error" and step.api == "responses"
-    r = httpx.post(proxy.v1 + "/responses", json={"model": "fake", "input": "#drop", "stream": True})
-    events = sse_events(r.content)
-    assert events[-1][0] == "response.failed" and events[-1][1]["response"]["status"] == "failed"
-    step = proxy.steps(factory)[-1]
-    assert step.status == "error" and len(step.output_token_ids) > 0
-
-
-
-
-def test_session_path(start_proxy, fake_upstream, factory):
-    proxy = start_proxy([fake_upstream.url])
-    r = httpx.post(proxy.url + "/s/resp-path/v1/responses", json={"model": "fake", "input": "p"})
-    assert r.status_code == 200 and r.headers["x-atdp-session-id"] == "resp-path"
-    assert len(proxy.steps(factory, "resp-path")) == 1
 
 
 # --- the real vLLM -------------------------------------------------------------------------------
