@@ -94,7 +94,11 @@ class RedactionPool:
         return self._local
 
     def warm_up(self) -> None:
-        """Start every worker now (each imports Presidio, about a second) rather than on first use."""
+        """Build the redactors now (each imports Presidio, about a second) rather than on first use: the
+        in-process one that small batches use, and every worker."""
+        if self.inline_chars > 0 or self._executor is None:
+            # One scan loads what recognizers load on first use (phone number metadata, regexes).
+            self.local.analyze("warm-up: ada@example.com, +1 415 555 0134, https://example.com/x")
         if self._executor is not None:
             list(self._executor.map(_redact_chunk, [[] for _ in range(self.max_workers)]))
 

@@ -10,6 +10,7 @@ reaches disk.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -166,6 +167,21 @@ class WriterProcess:
             self._local.redactor.close()
 
 
+def _settle_heap(rec: Recorder) -> None:
+    """Build what the writer keeps for its life (Presidio, spaCy), then take it out of the garbage
+    collector's sight and collect young objects less often, as `atdp serve` does in the proxy.
+
+    Without this the child ran on the default thresholds over an unfrozen heap of ~160K objects: a
+    full collection every few hundred steps, about 0.2 ms of CPU per step written, taken from the
+    proxy on a small machine. Steps are plain data freed by reference counting; cycles are rare.
+    """
+    if isinstance(rec.redactor, RedactionPool):
+        rec.redactor.warm_up()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 def _child_main(settings: Settings, policies: Policies, q, shared, db_ok, parent_pid: int) -> None:
     # Ctrl-C goes to the whole process group: the parent decides when we stop (after a flush).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -175,6 +191,7 @@ def _child_main(settings: Settings, policies: Policies, q, shared, db_ok, parent
     from proxy.store import db
 
     rec = build_recorder(settings, policies, inline=True)
+    _settle_heap(rec)
     rec.start()
     stop = threading.Event()
 

@@ -135,40 +135,24 @@ def test_session_sources_and_task(start_proxy, fake_upstream, factory):
     proxy = start_proxy([fake_upstream.url])
     body = {"model": "fake", "messages": [{"role": "user", "content": "a"}]}
     httpx.post(proxy.v1 + "/chat/completions", json=body, headers={"X-ATDP-Session-Id": "hdr-1", "X-ATDP-Task-Id": "task-9"})
-    httpx.post(proxy.url + "/s/path-1/v1/chat/completions", json=body)
     httpx.post(proxy.v1 + "/chat/completions", json=body, headers={"X-Claude-Code-Session-Id": "cc-1"})
     httpx.post(proxy.v1 + "/chat/completions", json={**body, "metadata": {"user_id": json.dumps({"session_id": "meta-1"})}})
     proxy.flush()
     with factory() as s:
         rows = {r.external_id: r for r in s.scalars(select(t.Session).where(t.Session.tenant_id == proxy.tenant))}
-    assert {"hdr-1", "path-1", "cc-1", "meta-1"} <= set(rows)
+    assert {"hdr-1", "cc-1", "meta-1"} <= set(rows)  # the /s/{id} path: test_doors.py, for every door
     assert rows["hdr-1"].task_id == "task-9"
 
 
-def test_errors_in_openai_format(start_proxy, fake_upstream, factory):
+def test_errors_in_openai_format(start_proxy, fake_upstream):
+    """Chat's own refusals; malformed JSON, vLLM's 400 and a wrong key are in test_doors.py."""
     proxy = start_proxy([fake_upstream.url], max_body_bytes=10_000)
-    r = httpx.post(proxy.v1 + "/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(proxy.v1 + "/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "x" * 20_000}]})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     r = httpx.get(proxy.url + "/v1/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.post(proxy.v1 + "/chat/completions", json={"model": "fake", "messages": []})
     assert r.status_code == 400
-    # Upstream 400: passed through, and recorded as a failed step.
-    with pytest.raises(openai.BadRequestError):
-        client(proxy).chat.completions.create(model="fake", messages=[{"role": "user", "content": "#fail400"}])
-    steps = proxy.steps(factory)
-    assert steps[-1].status == "error" and steps[-1].error["status_code"] == 400
-
-
-def test_unknown_key_is_401(start_proxy, fake_upstream):
-    proxy = start_proxy([fake_upstream.url], open_mode=False)
-    with pytest.raises(openai.AuthenticationError) as e:
-        client(proxy).chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}])
-    assert e.value.status_code == 401
-    r = httpx.post(proxy.v1 + "/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_api_key_auth_binds_tenant(start_proxy, fake_upstream, factory):
@@ -217,18 +201,6 @@ def test_upstream_500_fails_over_when_nothing_was_sent(start_proxy, factory):
         for i in range(3):
             r = client(proxy).chat.completions.create(model="fake", messages=[{"role": "user", "content": f"z{i}"}])
             assert r.choices[0].message.content.startswith("[w0]")
-
-
-def test_upstream_dies_mid_stream_is_error_step_with_tokens(start_proxy, fake_upstream, factory):
-    proxy = start_proxy([fake_upstream.url])
-    with pytest.raises(Exception):  # noqa: B017 (the stream breaks; the SDK's exact error type varies)
-        for _ in client(proxy).chat.completions.create(model="fake", messages=[{"role": "user", "content": "#drop"}], stream=True):
-            pass
-    (step,) = proxy.steps(factory)
-    assert step.status == "error"
-    assert len(step.output_token_ids) > 0  # what arrived before the break is kept
-
-
 
 
 def test_models_routes_and_head(start_proxy, fake_upstream):
