@@ -41,6 +41,7 @@ class Setting:
     lr: float
     ppo_epochs: int
     keep_optimizer: bool
+    engine_numerics: str | None = None  # trainer/numerics.py profile (the e2e trainer probes "bf16" or "bf16-trunc")
 
 
 SETTINGS = [
@@ -49,6 +50,8 @@ SETTINGS = [
     Setting("lr 3e-3, 1 epoch, fresh", 3e-3, 1, False),
     Setting("lr 1e-3, 2 epochs, kept AdamW", 1e-3, 2, True),
     Setting("lr 3e-3, 2 epochs, kept AdamW", 3e-3, 2, True),
+    Setting("lr 3e-3, 2 epochs, fresh, bf16 numerics", 3e-3, 2, False, "bf16"),
+    Setting("lr 1e-3, 2 epochs, fresh, bf16 numerics", 1e-3, 2, False, "bf16"),
 ]
 
 
@@ -85,7 +88,7 @@ def run(setting: Setting, base: Path, seed: int, rounds: int) -> list[float]:
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = load_model(base, dtype="fp32", grad_checkpointing=False)
+    model = load_model(base, dtype="fp32", grad_checkpointing=False, engine_numerics=setting.engine_numerics)
     prompt_ids = prompts(tokenizer)
     opts = PPOOptions()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=setting.lr, weight_decay=0.0)
