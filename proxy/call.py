@@ -249,8 +249,10 @@ async def open_translated(call: Call, upstream_body: dict[str, Any]) -> Upstream
         upstream_url = call.upstream_url
         try:
             data = await resp.aread()
-        except UpstreamError as e:
-            data = e.message.encode()
+        except UpstreamError as e:  # the error body broke mid-read: a 502 of our own
+            finish(call, status="error", error={"type": "upstream_error", "message": e.message}, upstream=upstream_url)
+            e.headers = {**e.headers, **call.response_headers()}
+            raise
         finally:
             await close_upstream(call, resp)  # the replica's slot, whatever the read did
         error = upstream_error(resp.status_code, data)

@@ -8,6 +8,7 @@ per UTF-8 byte) so token ids are predictable. The last user message scripts the 
 - `#fail500`: HTTP 500;  `#fail400`: HTTP 400 with an OpenAI error
 - `#drop`: send two chunks then close the connection mid-stream
 - `#slow SECONDS`: wait before answering
+- `#brokenerror STATUS`: an error answer (HTTP STATUS) whose body breaks off mid-read
 - otherwise: answer "echo: <the message>" (or `#say TEXT` -> TEXT)
 
 It also has vLLM's dev-mode weight routes (/pause, /resume, /collective_rpc, /update_weight_version,
@@ -80,6 +81,9 @@ class FakeVLLM:
         elif last.startswith("#drop"):
             plan["drop"] = True
             plan["text"] = "partial answer that never ends " * 4
+        elif last.startswith("#brokenerror"):
+            plan["status"] = int(last.split()[1])
+            plan["broken"] = True
         elif last.startswith("#slow"):
             plan["delay"] = float(last.split()[1])
             plan["text"] = "slow answer"
@@ -150,6 +154,12 @@ class FakeVLLM:
         plan = self.plan(body)
         if plan["delay"]:
             await asyncio.sleep(plan["delay"])
+        if plan.get("broken"):
+            # Promise a body, send part of it, then fail: the server drops the connection mid-body.
+            await send({"type": "http.response.start", "status": plan["status"],
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "scri', "more_body": True})
+            raise ConnectionAbortedError("scripted: the error body breaks off mid-read")
         if plan["status"] == 500:
             await self.json(send, 500, {"error": {"message": "scripted failure", "type": "InternalServerError", "code": 500}})
             return

@@ -117,8 +117,11 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
         upstream_url = call.upstream_url
         try:
             data = await resp.aread()
-        except UpstreamError as e:
-            data = orjson.dumps({"error": {"message": e.message, "type": "upstream_error", "code": 502}})
+        except UpstreamError as e:  # the error body broke mid-read: a 502 of our own
+            calls.finish(call, status="error", error={"type": "upstream_error", "message": e.message},
+                         upstream=upstream_url)
+            e.headers = {**e.headers, **call.response_headers()}
+            raise
         finally:
             await calls.close_upstream(call, resp)  # the replica's slot, whatever the read did
         calls.finish(call, status="error", error=upstream_error(resp.status_code, data), upstream=upstream_url)
