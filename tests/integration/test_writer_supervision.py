@@ -253,3 +253,23 @@ def test_feedback_right_after_the_response_waits_for_the_write(start_proxy, fake
     # A session nobody answered is still a 404.
     missing = httpx.post(proxy.url + "/atdp/v1/sessions/never-answered/feedback", json={"reward": 1.0})
     assert missing.status_code == 404
+
+
+def test_a_lagging_writer_is_reported(start_proxy, fake_upstream):
+    # A 4 s batching window against a 1 s lag limit: the answered step waits too long to be written.
+    proxy = start_proxy([fake_upstream.url], writer_mode="process", flush_interval_s=4.0, writer_lag_s=1.0)
+    assert _chat(proxy.url, "slow to write").status_code == 200
+    deadline, seen = time.monotonic() + 4, None
+    while time.monotonic() < deadline:
+        h = httpx.get(proxy.url + "/healthz")
+        if h.status_code == 503:
+            seen = h.json()
+            break
+        time.sleep(0.05)
+    assert seen is not None and any("lagging" in p for p in seen["problems"]), seen
+    metrics = httpx.get(proxy.url + "/metrics").text
+    oldest = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("atdp_writer_oldest_held_seconds"))
+    assert oldest > 1.0 and "atdp_healthy 0.0" in metrics  # the step is held until the window ends (4 s)
+    proxy.flush(30)
+    h = httpx.get(proxy.url + "/healthz")
+    assert h.status_code == 200 and h.json()["writer"]["held"] == 0
