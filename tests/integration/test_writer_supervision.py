@@ -273,3 +273,61 @@ def test_a_lagging_writer_is_reported(start_proxy, fake_upstream):
     proxy.flush(30)
     h = httpx.get(proxy.url + "/healthz")
     assert h.status_code == 200 and h.json()["writer"]["held"] == 0
+
+
+def _small_files() -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death (ignored survives exec)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def test_thread_writer_holds_steps_while_the_spool_fails(fake_upstream, tmp_path):
+    """The in-process writer (`ATDP_WRITER=thread`) under the same failure: `atdp serve` starts with a
+    256-byte file-size limit, so its spool cannot take a record; the answered step is held, new
+    calls get 503, and once the limit is lifted every answered step is spooled."""
+    port, tenant = free_port(), f"t-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATDP_")}
+    env.update(ATDP_DATABASE_URL=BAD_DB, ATDP_UPSTREAM_URL=fake_upstream.url, ATDP_HOME=str(tmp_path / "home"),
+               ATDP_OPEN_MODE="1", ATDP_DEFAULT_TENANT=tenant, ATDP_PORT=str(port), ATDP_WRITER="thread")
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_small_files)
+    base = f"http://127.0.0.1:{port}"
+    answered: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        refused = None
+        for i in range(60):
+            r = _chat(base, f"call {i}")
+            if r.status_code != 200:
+                refused = r
+                break
+            answered.append(r.headers["x-atdp-step-id"])
+            time.sleep(0.1)
+        assert answered and refused is not None and refused.status_code == 503, "the spool never failed"
+        assert "spool" in refused.json()["error"]["message"]
+        h = httpx.get(base + "/healthz")
+        assert h.status_code == 503 and h.json()["writer"]["held"] >= 1
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/healthz").status_code != 200:
+            assert time.monotonic() < deadline, httpx.get(base + "/healthz").text
+            time.sleep(0.2)
+        r = _chat(base, "after")
+        assert r.status_code == 200
+        answered.append(r.headers["x-atdp-step-id"])
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    records = _spooled(tmp_path / "home" / "spool")
+    assert sorted(x["id"] for x in records) == sorted(answered)
