@@ -22,7 +22,6 @@ Nothing raw reaches disk on any of these paths.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -35,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
 
 from proxy.config import Settings
 from proxy.governance.policies import Policies
@@ -86,7 +87,7 @@ class WriterProcess:
         self.settings = settings
         self.policies = policies
         self.spool = Spool(settings.spool_dir)
-        self.factory = None
+        self.factory: sessionmaker[Session] | None = None
         self.inflight = InFlight()
         self.submitted = 0
         self.restarts = 0
@@ -112,7 +113,8 @@ class WriterProcess:
         self._proc: mp.process.BaseProcess | None = None
         self._to_child: Connection | None = None
         self._receiver: threading.Thread | None = None
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one writer on the pipe at a time (the sender, _spawn)
+        self._controls: deque[tuple] = deque()  # control messages waiting for the sender thread
         self._closing = False  # stop() began: no more restarts
         self._closed = False
 
@@ -161,7 +163,7 @@ class WriterProcess:
         threading.Thread(target=self._send_loop, name="atdp-writer-send", daemon=True).start()
         threading.Thread(target=self._supervise, name="atdp-writer-supervisor", daemon=True).start()
 
-    def connect(self, url: str, factory) -> None:
+    def connect(self, url: str, factory: sessionmaker[Session]) -> None:
         self.factory = factory
         self._db_url = url
         if self._local is not None:
@@ -283,36 +285,41 @@ class WriterProcess:
             self._cond.notify_all()
 
     def _send_control(self, msg: tuple) -> None:
-        with self._send_lock:
-            conn = self._to_child
-            if conn is None:
-                return
-            # A child that is gone breaks the send; the supervisor restarts it (and re-sends "connect").
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(msg)
+        """Queue a control message (connect, forget, stop) for the sender thread: callers on the event
+        loop must never block on a full pipe. A child that is gone never gets it; a restarted one
+        gets "connect" from `_spawn` and has empty caches (a lost "forget" is harmless)."""
+        with self._cond:
+            self._controls.append(msg)
+            self._cond.notify_all()
 
     def _send_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not (self._ready and self._pending and time.monotonic() >= self._retry_at):
-                    self._cond.wait(0.05 if self._pending else 1.0)
+                while not self._closed and not (self._ready and (
+                        self._controls or (self._pending and time.monotonic() >= self._retry_at))):
+                    self._cond.wait(0.05 if self._pending or self._controls else 1.0)
                 if self._closed:
                     return
-                # A short wait lets a burst share one batch (one transaction in the child).
-                deadline = self._pending[0].since + self.settings.flush_interval_s
-                while (not self._closed and 0 < len(self._pending) < self.settings.batch_size
-                       and (now := time.monotonic()) < deadline):
-                    self._cond.wait(deadline - now)
-                batch = [self._pending.popleft() for _ in range(min(len(self._pending), self.settings.batch_size))]
-                if not batch:
-                    continue
-                bid = next(self._bids)
-                self._unacked[bid] = batch
+                if self._controls:
+                    msg: tuple = self._controls.popleft()
+                else:
+                    # A short wait lets a burst share one batch (one transaction in the child).
+                    deadline = self._pending[0].since + self.settings.flush_interval_s
+                    while (not self._closed and 0 < len(self._pending) < self.settings.batch_size
+                           and (now := time.monotonic()) < deadline):
+                        self._cond.wait(deadline - now)
+                    batch = [self._pending.popleft() for _ in range(min(len(self._pending), self.settings.batch_size))]
+                    if not batch:
+                        continue
+                    bid = next(self._bids)
+                    self._unacked[bid] = batch
+                    msg = ("batch", bid, [h.item for h in batch])
                 conn = self._to_child
             try:
                 with self._send_lock:
-                    assert conn is not None
-                    conn.send(("batch", bid, [h.item for h in batch]))
+                    if conn is None:
+                        raise ValueError("no writer process")
+                    conn.send(msg)
             except (OSError, ValueError):
                 with self._cond:  # the child is gone: the supervisor re-sends unacknowledged batches
                     self._ready = False
