@@ -92,6 +92,8 @@ def test_writer_killed_mid_traffic_restarts_and_loses_nothing(start_proxy, fake_
     restarts = next(float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("atdp_writer_restarts_total"))
     assert restarts >= 1 and "atdp_writer_up 1.0" in metrics
     stored = _step_ids(factory, proxy.tenant)
+    print(f"kill -9 writer: {len(answered)} answered, {len(stored)} stored, {health[0][1]} held at the kill, "
+          f"{rec.restarts} restart(s)")  # the figures `pytest -s` shows
     assert len(answered) == n and stored == set(answered)  # 0 lost, none duplicated (ids are keys)
 
 
@@ -100,9 +102,9 @@ def test_sigterm_to_the_process_group_drains_every_answered_step(fake_upstream, 
     db.upgrade(url)
     port, tenant = free_port(), f"t-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATDP_")}
-    # A 1 s batching window keeps answered steps held in the proxy when the signal lands.
+    # A 2 s batching window keeps answered steps held in the proxy when the signal lands.
     env.update(ATDP_DATABASE_URL=url, ATDP_UPSTREAM_URL=fake_upstream.url, ATDP_HOME=str(tmp_path / "home"),
-               ATDP_OPEN_MODE="1", ATDP_DEFAULT_TENANT=tenant, ATDP_PORT=str(port), ATDP_FLUSH_INTERVAL_S="1.0")
+               ATDP_OPEN_MODE="1", ATDP_DEFAULT_TENANT=tenant, ATDP_PORT=str(port), ATDP_FLUSH_INTERVAL_S="2.0")
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve"], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -142,7 +144,7 @@ def test_sigterm_to_the_process_group_drains_every_answered_step(fake_upstream, 
         while time.monotonic() < deadline:
             writer = httpx.get(base + "/healthz", timeout=10).json()["writer"]
             held = writer["held"]
-            if held and writer["oldest_held_s"] < 0.5:
+            if held >= 8 and writer["oldest_held_s"] < 1.5:
                 break
         os.killpg(proc.pid, signal.SIGTERM)  # what systemd does: the whole group, writer child included
         # uvicorn shuts down in order, then re-raises the signal it caught: -SIGTERM is a clean exit.
@@ -155,12 +157,13 @@ def test_sigterm_to_the_process_group_drains_every_answered_step(fake_upstream, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-    assert held > 0  # steps were still waiting for the writer when the signal came
+    assert held >= 8  # steps were still waiting for the writer when the signal came
     engine = db.make_engine(url)
     try:
         stored = _step_ids(db.session_factory(engine), tenant)
     finally:
         engine.dispose()
+    print(f"SIGTERM to the group: {len(answered)} answered, {len(stored)} stored, {held} held at the signal")
     assert len(answered) >= 150 and stored == set(answered)
 
 
