@@ -68,7 +68,7 @@ class Recorder:
         self.spool_error: str | None = None  # the last spool failure, until a write succeeds again
         # Items that could not be made durable yet (the spool failed): retried, never dropped.
         self._held: list[Item] = []
-        self._held_since = 0.0
+        self._progress_at = time.monotonic()  # the last time a batch was made durable (or the queue was empty)
         self._held_lock = threading.Lock()
         self._give_up_at = 0.0  # set by stop(): how long a failing spool is retried on the way out
 
@@ -78,6 +78,8 @@ class Recorder:
         if isinstance(item, CapturedStep):
             self.stats["submitted"] += 1
             self.inflight.add(item)
+        if self.pending == 0:
+            self._progress_at = time.monotonic()  # the lag clock starts with the first waiting item
         try:
             self.queue.put_nowait(item)
         except queue.Full:
@@ -125,8 +127,10 @@ class Recorder:
         return f"the capture spool cannot be written ({self.spool_error})" if self.spool_error else None
 
     def health(self) -> WriterHealth:
+        # Lag: how long items have waited without the writer making progress (a batch made durable).
+        pending = self.pending
         return WriterHealth(mode="thread", alive=self._thread.is_alive() or not self._thread.ident, restarts=0,
-                            held=self.pending, oldest_held_s=time.monotonic() - self._held_since if self._held else 0.0,
+                            held=pending, oldest_held_s=time.monotonic() - self._progress_at if pending else 0.0,
                             spool_error=self.spool_error)
 
     # --- durable writes (the writer thread here; the child's main loop in process mode) ---------
@@ -140,6 +144,7 @@ class Recorder:
         for i in range(0, len(records), self.batch_size):
             self._persist(records[i : i + self.batch_size])
         self.spool_error = None
+        self._progress_at = time.monotonic()
         self.stats["processed"] += len(steps)
         self.inflight.done(steps)
 
@@ -147,8 +152,6 @@ class Recorder:
         self.stats["errors"] += 1
         self.spool_error = f"{type(e).__name__}: {e}"[:300]
         with self._held_lock:
-            if not self._held:
-                self._held_since = time.monotonic()
             self._held[:0] = items
         log.error("could not make %d items durable (%s); holding them and refusing new calls until it works",
                   len(items), self.spool_error)

@@ -258,9 +258,10 @@ def test_feedback_right_after_the_response_waits_for_the_write(start_proxy, fake
     assert missing.status_code == 404
 
 
-def test_a_lagging_writer_is_reported(start_proxy, fake_upstream):
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_lagging_writer_is_reported(start_proxy, fake_upstream, mode):
     # A 4 s batching window against a 1 s lag limit: the answered step waits too long to be written.
-    proxy = start_proxy([fake_upstream.url], writer_mode="process", flush_interval_s=4.0, writer_lag_s=1.0)
+    proxy = start_proxy([fake_upstream.url], writer_mode=mode, flush_interval_s=4.0, writer_lag_s=1.0)
     assert _chat(proxy.url, "slow to write").status_code == 200
     deadline, seen = time.monotonic() + 4, None
     while time.monotonic() < deadline:
