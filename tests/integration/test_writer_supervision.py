@@ -335,3 +335,35 @@ def test_thread_writer_holds_steps_while_the_spool_fails(fake_upstream, tmp_path
             os.killpg(proc.pid, signal.SIGKILL)
     records = _spooled(tmp_path / "home" / "spool")
     assert sorted(x["id"] for x in records) == sorted(answered)
+
+
+def test_writer_killed_under_real_engine_traffic(start_proxy, vllm_server, factory):
+    """The same kill -9 against the real engine (tiny model, streamed and not): every answered step
+    is stored once, with the engine's own token ids."""
+    proxy = start_proxy([vllm_server.base_url], writer_mode="process")
+    rec = proxy.state.recorder
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=120)
+    answered: list[str] = []
+    first_pid = rec.pid
+
+    def one(i: int) -> None:
+        messages = [{"role": "user", "content": f"count to {i}"}]
+        if i % 2:
+            raw = client.chat.completions.with_raw_response.create(model=vllm_server.model, messages=messages,
+                                                                    max_tokens=8, temperature=0)
+        else:
+            raw = client.chat.completions.with_raw_response.create(model=vllm_server.model, messages=messages,
+                                                                    max_tokens=8, temperature=0, stream=True)
+            list(raw.parse())
+        answered.append(raw.headers["x-atdp-step-id"])
+        if i == 12:
+            os.kill(first_pid, signal.SIGKILL)  # mid-traffic: later calls are answered while it restarts
+
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(one, range(40)))
+    proxy.flush(90)
+    assert rec.restarts >= 1 and rec.pid != first_pid
+    with factory() as s:
+        steps = list(s.scalars(select(t.Step).where(t.Step.tenant_id == proxy.tenant)))
+    assert sorted(st.id for st in steps) == sorted(answered)
+    assert all(st.token_source == "engine" and 0 < len(st.output_token_ids) <= 8 for st in steps)
