@@ -43,7 +43,7 @@ from proxy.store.read import feedback_model
 FEEDBACK_FIELDS = ("reward", "step_id", "source", "comment", "correction", "idempotency_key")
 SOURCES = tuple(s.value for s in FeedbackSource)
 MAX_TEXT = 64 * 1024
-DURABLE_WAIT_S = 10.0  # how long feedback waits for a just-answered step to be written
+DURABLE_WAIT_S = 30.0  # how long feedback waits for a just-answered step to be written
 T = TypeVar("T")
 
 

@@ -421,6 +421,9 @@ def _child_main(settings: Settings, policies: Policies, inbox: Connection, outbo
     from proxy.store import db
 
     rec = build_recorder(settings, policies, inline=True)
+    # Build the redactor (Presidio: seconds) before saying ready, not inside the first batch: the
+    # health check shows the writer down until then, and the first steps are not held that long.
+    rec.redactor.redact_many([("atdp", "warm up")])
     engine = None
     try:
         outbox.send(("ready", _child_stats(rec)))
