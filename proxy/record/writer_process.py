@@ -109,6 +109,7 @@ class WriterProcess:
         self._retry_at = 0.0  # after a nack: when to send again
         self._nacks = 0
         self._ready = False  # a child is running and connected
+        self._gen = 0  # which child `_to_child` leads to (a send to an older one must not unready a newer)
         self._child_up = False  # the running child reported ready
         self._proc: mp.process.BaseProcess | None = None
         self._to_child: Connection | None = None
@@ -281,6 +282,7 @@ class WriterProcess:
                 inbox_w.send(("connect", self._db_url))
         with self._cond:
             self._proc, self._to_child, self._receiver = proc, inbox_w, receiver
+            self._gen += 1
             self._ready = True
             self._cond.notify_all()
 
@@ -314,15 +316,23 @@ class WriterProcess:
                     bid = next(self._bids)
                     self._unacked[bid] = batch
                     msg = ("batch", bid, [h.item for h in batch])
-                conn = self._to_child
+                conn, gen = self._to_child, self._gen
             try:
                 with self._send_lock:
                     if conn is None:
                         raise ValueError("no writer process")
                     conn.send(msg)
             except (OSError, ValueError):
-                with self._cond:  # the child is gone: the supervisor re-sends unacknowledged batches
-                    self._ready = False
+                with self._cond:
+                    # The child it was meant for is gone: the batch waits for the next one (the
+                    # supervisor restarts it). A newer child may already run: leave it ready.
+                    if msg[0] == "batch":
+                        lost = self._unacked.pop(msg[1], None)
+                        if lost is not None:
+                            self._held -= len(lost)
+                            self._requeue(lost)
+                    if gen == self._gen:
+                        self._ready = False
 
     def _receive(self, conn: Connection) -> None:
         while True:
@@ -385,15 +395,15 @@ class WriterProcess:
                 self._unacked.clear()
                 self._held -= len(unacked)
                 self._requeue(unacked)
+                old, self._to_child = self._to_child, None  # a send racing with this fails and requeues
             delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
             failures += 1
             self.restarts += 1
             log.error("writer process died (exit code %s); %d items held; restarting it in %.1f s",
                       proc.exitcode, len(unacked), delay)
             with self._send_lock:
-                if self._to_child is not None:
-                    self._to_child.close()
-                self._to_child = None
+                if old is not None:
+                    old.close()
             time.sleep(delay)
             with self._cond:
                 if self._closing:
