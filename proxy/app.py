@@ -106,6 +106,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
                 task.cancel()
             await state.client.aclose()
             await state.http.close()
+            await asyncio.to_thread(store.flush)  # stored responses go to the writer before it drains
             await asyncio.to_thread(recorder.stop)
             if owns_redactor:
                 own_redactor.close()
@@ -184,14 +185,20 @@ def _route_template(scope: Scope) -> str:
 def _healthz(state: AppState) -> Endpoint:
     async def healthz(request: Request) -> Response:
         r = state.recorder
+        writer = r.health().judge(state.settings.writer_lag_s)
+        # Not ok (503) while steps could be lost or are not being made durable: a dead, lagging or
+        # failing writer. A database that is away is not a problem here: the spool takes the steps.
         return json_response({
-            "status": "ok",
+            "status": "unavailable" if writer.problems else "ok",
+            "problems": writer.problems,
             "database": bool(state.factory is not None and r.db_ok),
-            "writer_pending": r.pending,
+            "writer": writer.as_json(),
+            "writer_pending": writer.held,
             "spool_pending": r.spool.pending(),
-            "replicas": [{"url": x.url, "alive": x.alive, "open": x.is_open, "version": x.version,
+            # Replicas by scheme://host:port only: their URLs may carry credentials.
+            "replicas": [{"url": x.label, "alive": x.alive, "open": x.is_open, "version": x.version,
                           "inflight": x.inflight} for x in state.pool.replicas],
-        })
+        }, status=503 if writer.problems else 200)
 
     return healthz
 
@@ -207,7 +214,8 @@ def _openapi() -> Endpoint:
 
 def _metrics(state: AppState) -> Endpoint:
     async def metrics(request: Request) -> Response:
-        return Response(telemetry.render_metrics(state.recorder), media_type="text/plain; version=0.0.4")
+        body = telemetry.render_metrics(state.recorder, state.settings.writer_lag_s)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     return metrics
 

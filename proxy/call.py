@@ -39,6 +39,7 @@ from proxy.upstream import (
     UpstreamError,
     UpstreamResponse,
     failover,
+    redact_url_text,
     upstream_error,
 )
 
@@ -132,17 +133,24 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             state.pool.release(lease)
             replica.mark_dead()
-            telemetry.UPSTREAM_FAILURES.labels(replica.url).inc()
-            raise ReplicaFailed(f"{replica.url}: {type(e).__name__}: {e}".rstrip(": ")) from None
+            telemetry.UPSTREAM_FAILURES.labels(replica.label).inc()
+            # aiohttp's messages name the host it tried; never the URL's credentials (`label`).
+            raise ReplicaFailed(f"{replica.label}: {type(e).__name__}: {redact_url_text(str(e))}".rstrip(": ")) from None
         if resp.status_code >= 500:
-            detail = (await resp.aread())[:500].decode(errors="replace")
-            await resp.aclose()
-            state.pool.release(lease)
+            # The slot is released however the error body's read ends: a read that fails here must
+            # not leave the replica counted busy, or its next swap waits for a call that is gone.
+            try:
+                detail = (await resp.aread())[:500].decode(errors="replace")
+            except UpstreamError as e:
+                detail = e.message
+            finally:
+                await resp.aclose()
+                state.pool.release(lease)
             replica.mark_dead(1.0)
-            telemetry.UPSTREAM_FAILURES.labels(replica.url).inc()
-            raise ReplicaFailed(f"{replica.url} answered {resp.status_code}: {detail}")
+            telemetry.UPSTREAM_FAILURES.labels(replica.label).inc()
+            raise ReplicaFailed(f"{replica.label} answered {resp.status_code}: {detail}")
         replica.mark_alive()
-        call.lease, call.version, call.upstream_url = lease, lease.version, replica.url
+        call.lease, call.version, call.upstream_url = lease, lease.version, replica.label
         return resp
 
     return await failover(state.pool, call.session.external_id, attempt)
@@ -267,9 +275,15 @@ async def open_translated(call: Call, upstream_body: dict[str, Any]) -> Upstream
         e.headers = {**e.headers, **call.response_headers()}
         raise
     if resp.status_code >= 400:
-        data = await resp.aread()
         upstream_url = call.upstream_url
-        await close_upstream(call, resp)
+        try:
+            data = await resp.aread()
+        except UpstreamError as e:  # the error body broke mid-read: a 502 of our own
+            finish(call, status="error", error={"type": "upstream_error", "message": e.message}, upstream=upstream_url)
+            e.headers = {**e.headers, **call.response_headers()}
+            raise
+        finally:
+            await close_upstream(call, resp)  # the replica's slot, whatever the read did
         error = upstream_error(resp.status_code, data)
         finish(call, status="error", error=error, upstream=upstream_url)
         raise ApiError(resp.status_code, error["message"], headers=call.response_headers())

@@ -86,6 +86,7 @@ class Settings(BaseSettings):
     queue_size: int = 10_000
     batch_size: int = 256
     flush_interval_s: float = 0.05
+    writer_lag_s: float = 30.0  # /healthz is not ok while a step waits longer than this to be durable
     upstream_timeout_s: float = 600.0
     swap_hold_timeout_s: float = 60.0
     swap_drain_timeout_s: float = 120.0  # how long a swap waits for a replica's in-flight calls

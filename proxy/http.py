@@ -133,6 +133,11 @@ def door(state: AppState, handler: Handler) -> Endpoint:
 
     async def endpoint(request: Request) -> Response:
         principal = await state.authenticate(request)
+        refused = state.recorder.refusing()
+        if refused is not None:
+            # A call answered now could not be recorded (the spool is failing): refuse it rather
+            # than answer and lose it. Rendered in the door's own error format.
+            raise ApiError(503, f"{refused}; try again shortly", headers={"retry-after": "5"})
         body = await read_json(request, state.settings.max_body_bytes)
         path_session = request.path_params.get("session_id")
         begun: list[calls.Call] = []

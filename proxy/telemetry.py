@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from proxy.record.recorder import Recorder
+    from proxy.record.writer_process import WriterProcess
 
 REGISTRY = CollectorRegistry()
 
@@ -25,10 +31,29 @@ SWAP_SECONDS = Histogram("atdp_weight_swap_seconds", "Pause to new version servi
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 
 
-def render_metrics(recorder=None) -> bytes:
+WRITER_UP = Gauge("atdp_writer_up", "1 while the writer (child process or thread) runs", registry=REGISTRY)
+WRITER_RESTARTS = Counter("atdp_writer_restarts_total", "Writer child processes restarted after dying",
+                          registry=REGISTRY)
+WRITER_OLDEST = Gauge("atdp_writer_oldest_held_seconds", "Age of the oldest step answered but not yet durable",
+                      registry=REGISTRY)
+SPOOL_FAILING = Gauge("atdp_spool_failing", "1 while the spool cannot be written (new calls get 503)",
+                      registry=REGISTRY)
+HEALTHY = Gauge("atdp_healthy", "1 when /healthz answers ok", registry=REGISTRY)
+
+
+def render_metrics(recorder: Recorder | WriterProcess | None = None, lag_limit_s: float = 30.0) -> bytes:
     if recorder is not None:
-        QUEUE_DEPTH.set(recorder.pending)
+        health = recorder.health().judge(lag_limit_s)
+        QUEUE_DEPTH.set(health.held)
         SPOOL_PENDING.set(1 if recorder.spool.pending() else 0)
+        WRITER_UP.set(1 if health.alive else 0)
+        WRITER_OLDEST.set(health.oldest_held_s)
+        SPOOL_FAILING.set(1 if health.spool_error else 0)
+        HEALTHY.set(0 if health.problems else 1)
+        # The writer counts its restarts; the Prometheus counter catches up with it here.
+        seen = WRITER_RESTARTS._value.get()
+        if health.restarts > seen:
+            WRITER_RESTARTS.inc(health.restarts - seen)
     return generate_latest(REGISTRY)
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
@@ -44,6 +46,28 @@ class ReplicaFailed(Exception):
         self.status = status
 
 
+_URL_IN_TEXT = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)([^\s/?#@]+@)?([^\s/?#]*)([^\s?#]*)(\?[^\s#]*)?(#\S*)?")
+
+
+def public_url(url: str) -> str:
+    """A replica's URL as it may be shown (health, metrics, errors, logs): scheme://host:port only.
+    Userinfo, path, query and fragment can carry credentials (`http://user:pw@h/?token=...`)."""
+    try:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        port = u.port
+    except ValueError:
+        return "<invalid url>"
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"{u.scheme}://{host}" + (f":{port}" if port else "")
+
+
+def redact_url_text(text: str) -> str:
+    """Free text (an exception message) with every URL in it cut to scheme://host:port."""
+    return _URL_IN_TEXT.sub(lambda m: m.group(1) + m.group(3), text)
+
+
 @dataclass
 class Replica:
     url: str
@@ -57,6 +81,11 @@ class Replica:
     def __post_init__(self) -> None:
         self._open.set()
         self._drained.set()
+
+    @property
+    def label(self) -> str:
+        """What health, metrics, errors and logs show of this replica (never its credentials)."""
+        return public_url(self.url)
 
     @property
     def is_open(self) -> bool:
@@ -115,7 +144,7 @@ class ReplicaPool:
             try:
                 await asyncio.wait_for(replica._open.wait(), self.hold_timeout_s)
             except TimeoutError:
-                raise NoReplicaAvailable(f"{replica.url} is swapping weights; held too long") from None
+                raise NoReplicaAvailable(f"{replica.label} is swapping weights; held too long") from None
         replica.inflight += 1
         replica._drained.clear()
         return Lease(replica=replica, version=replica.version)
@@ -190,7 +219,7 @@ class UpstreamResponse:
         try:
             data = await self._r.read()
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise UpstreamError(502, f"upstream read failed: {type(e).__name__}: {e}") from e
+            raise UpstreamError(502, f"upstream read failed: {type(e).__name__}: {redact_url_text(str(e))}") from e
         self._done = True
         return data
 
@@ -199,7 +228,7 @@ class UpstreamResponse:
             async for chunk in self._r.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise UpstreamError(502, f"upstream stream broke: {type(e).__name__}: {e}") from e
+            raise UpstreamError(502, f"upstream stream broke: {type(e).__name__}: {redact_url_text(str(e))}") from e
         self._done = True
 
     async def aclose(self) -> None:

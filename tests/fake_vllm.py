@@ -9,6 +9,7 @@ per UTF-8 byte) so token ids are predictable. The last user message scripts the 
 - `#drop`: send two chunks then close the connection mid-stream
 - `#malformed`: HTTP 200 with a completion whose `choices` is not a list (no engine sends that)
 - `#slow SECONDS`: wait before answering
+- `#brokenerror STATUS`: an error answer (HTTP STATUS) whose body breaks off mid-read
 - otherwise: answer "echo: <the message>" (or `#say TEXT` -> TEXT)
 
 It also has vLLM's dev-mode weight routes (/pause, /resume, /collective_rpc, /update_weight_version,
@@ -83,6 +84,9 @@ class FakeVLLM:
         elif last.startswith("#drop"):
             plan["drop"] = True
             plan["text"] = "partial answer that never ends " * 4
+        elif last.startswith("#brokenerror"):
+            plan["status"] = int(last.split()[1])
+            plan["broken"] = True
         elif last.startswith("#slow"):
             plan["delay"] = float(last.split()[1])
             plan["text"] = "slow answer"
@@ -153,6 +157,12 @@ class FakeVLLM:
         plan = self.plan(body)
         if plan["delay"]:
             await asyncio.sleep(plan["delay"])
+        if plan.get("broken"):
+            # Promise a body, send part of it, then fail: the server drops the connection mid-body.
+            await send({"type": "http.response.start", "status": plan["status"],
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "scri', "more_body": True})
+            raise ConnectionAbortedError("scripted: the error body breaks off mid-read")
         if plan["status"] == 500:
             await self.json(send, 500, {"error": {"message": "scripted failure", "type": "InternalServerError", "code": 500}})
             return

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import exists, select
 from sqlalchemy.exc import IntegrityError
@@ -43,6 +44,8 @@ from proxy.store.read import feedback_model
 FEEDBACK_FIELDS = ("reward", "step_id", "source", "comment", "correction", "idempotency_key")
 SOURCES = tuple(s.value for s in FeedbackSource)
 MAX_TEXT = 64 * 1024
+DURABLE_WAIT_S = 30.0  # how long feedback waits for a just-answered step to be written
+T = TypeVar("T")
 
 
 # --- routes ----------------------------------------------------------------------------------------
@@ -63,18 +66,22 @@ def _feedback_route(state: AppState) -> Endpoint:
         tenant = scope_tenant(request, principal)
         external_id = path_id(request, "session_id")
         # Fail fast (404/422) before paying for redaction.
-        session_tenant = await run_db(state, lambda s: session_or_error(s, external_id, tenant).tenant_id)
+        session_tenant = await once_durable(state, external_id, fb.step_id, lambda: run_db(
+            state, lambda s: session_or_error(s, external_id, tenant).tenant_id))
         fb.body_hash = content_hash(state.settings.secret, fb.canonical())
         texts = [x for x in (fb.comment, fb.correction) if x is not None]
         if texts:
             redacted = await asyncio.to_thread(redact_texts, state.redactor, session_tenant, texts)
             fb.apply_redaction(redacted)
-        try:
-            result = await run_db(state, lambda s: create_feedback(s, state.policies, principal, external_id, tenant, fb))
-        except IntegrityError:
-            # A concurrent post with the same idempotency key won the race: answer as a replay.
-            result = await run_db(state, lambda s: create_feedback(s, state.policies, principal, external_id, tenant, fb))
-        return json_response(result)
+
+        async def create() -> dict:
+            try:
+                return await run_db(state, lambda s: create_feedback(s, state.policies, principal, external_id, tenant, fb))
+            except IntegrityError:
+                # A concurrent post with the same idempotency key won the race: answer as a replay.
+                return await run_db(state, lambda s: create_feedback(s, state.policies, principal, external_id, tenant, fb))
+
+        return json_response(await once_durable(state, external_id, fb.step_id, create))
 
     return post_feedback
 
@@ -87,6 +94,20 @@ def _close_route(state: AppState) -> Endpoint:
         return json_response(await run_db(state, lambda s: close_session(s, state.policies, principal, external_id, tenant)))
 
     return close
+
+
+async def once_durable(state: AppState, external_id: str, step_id: str | None, look: Callable[[], Awaitable[T]]) -> T:
+    """`look()`; when it is a 404 for a session or step the proxy has answered but its writer has not
+    written yet, wait for that write (bounded) and look again: feedback posted right after a
+    response must not miss the step it is about."""
+    try:
+        return await look()
+    except ApiError as e:
+        inflight = state.recorder.inflight
+        if e.status != 404 or not inflight.holds(external_id, step_id):
+            raise
+    await asyncio.to_thread(inflight.wait, external_id, step_id, DURABLE_WAIT_S)
+    return await look()
 
 
 async def _read_body(request: Request, state: AppState) -> Any:

@@ -30,7 +30,7 @@ from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.ids import new_id
 from proxy.store.versions import BASE_NAME, VersionRef, serving_version
-from proxy.upstream import Replica
+from proxy.upstream import Replica, redact_url_text
 
 log = logging.getLogger("atdp.versions")
 
@@ -47,19 +47,19 @@ async def _check(resp: httpx.Response, what: str) -> None:
 async def load_weights(client: httpx.AsyncClient, replica: Replica, checkpoint: str, name: str, *,
                        headers: dict[str, str], timeout_s: float) -> None:
     """vLLM dev mode: pause (let running requests end), reload, tag the version, resume."""
-    url = replica.url
+    url, shown = replica.url, replica.label  # errors name the replica without its credentials
     await _check(await client.post(url + "/pause", params={"mode": "wait"}, headers=headers, timeout=timeout_s),
-                 f"{url}/pause")
+                 f"{shown}/pause")
     try:
         rpc = await client.post(url + "/collective_rpc", headers=headers, timeout=timeout_s,
                                 json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})
-        await _check(rpc, f"{url} reload_weights({checkpoint})")
+        await _check(rpc, f"{shown} reload_weights({checkpoint})")
         tag = await client.post(url + "/update_weight_version", json={"new_version": name}, headers=headers,
                                 timeout=timeout_s)
-        await _check(tag, f"{url}/update_weight_version")
+        await _check(tag, f"{shown}/update_weight_version")
     finally:
         # Never leave a replica paused: it would hold every call sent to it.
-        await _check(await client.post(url + "/resume", headers=headers, timeout=timeout_s), f"{url}/resume")
+        await _check(await client.post(url + "/resume", headers=headers, timeout=timeout_s), f"{shown}/resume")
 
 
 class Versions:
@@ -120,11 +120,12 @@ class Versions:
                 fresh_base = reported == "default" and roots.get(replica.url) == ref.checkpoint
                 if reported != ref.name and not fresh_base:
                     log.warning("replica %s reports weight version %r but the serving version is %r (%s); "
-                                "its tokens are stamped %r", replica.url, reported, ref.name, ref.checkpoint, ref.name)
+                                "its tokens are stamped %r", replica.label, reported, ref.name, ref.checkpoint, ref.name)
                 httpx.post(replica.url + "/update_weight_version", json={"new_version": ref.name}, headers=headers,
                            timeout=5.0).raise_for_status()
             except Exception as e:
-                log.warning("could not sync the weight version of %s: %s: %s", replica.url, type(e).__name__, e)
+                log.warning("could not sync the weight version of %s: %s: %s", replica.label, type(e).__name__,
+                            redact_url_text(str(e)))
         log.info("serving version %s (%s) on %d replica(s)", ref.name, ref.checkpoint, len(state.pool.replicas))
         if not state.settings.tokenizer:  # unset (or empty in compose): find it
             self._find_tokenizer([*roots.values(), ref.checkpoint])
@@ -192,10 +193,10 @@ class Versions:
                         raise
                     replica.version = target.name
                 done.append(replica)
-                timings.append({"url": replica.url, "drain_s": round(t_load - t_gate, 4),
+                timings.append({"url": replica.label, "drain_s": round(t_load - t_gate, 4),
                                 "load_s": round(time.perf_counter() - t_load, 4)})
         except Exception as e:
-            error = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (drain timeout?)"
+            error = f"{type(e).__name__}: {redact_url_text(str(e))}" if str(e) else f"{type(e).__name__} (drain timeout?)"
             for replica in done:
                 async with pool.swapping(replica, self.drain_timeout_s):
                     await self.restore(replica, previous)
@@ -217,7 +218,8 @@ class Versions:
             replica.version = previous.name
         except Exception as e:
             # The replica's weights are unknown now: keep calls away from it for a while.
-            log.error("could not restore %s on %s: %s: %s", previous.name, replica.url, type(e).__name__, e)
+            log.error("could not restore %s on %s: %s: %s", previous.name, replica.label, type(e).__name__,
+                      redact_url_text(str(e)))
             replica.mark_dead(30.0)
 
     async def wait_ready(self) -> None:

@@ -82,7 +82,7 @@ def _list_route(state: AppState, versions: Versions) -> Endpoint:
         return json_response({
             "data": rows,
             "serving": versions.current.name if versions.current else None,
-            "replicas": [{"url": r.url, "version": r.version, "open": r.is_open, "alive": r.alive}
+            "replicas": [{"url": r.label, "version": r.version, "open": r.is_open, "alive": r.alive}
                          for r in state.pool.replicas],
         })
 

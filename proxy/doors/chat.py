@@ -109,9 +109,16 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
         calls.finish(call, status="error", error={"type": "upstream_unavailable", "message": e.message, "status_code": e.status})
         raise
     if resp.status_code >= 400:  # vLLM's own error answer, passed through as chat completions clients expect
-        data = await resp.aread()
         upstream_url = call.upstream_url
-        await calls.close_upstream(call, resp)
+        try:
+            data = await resp.aread()
+        except UpstreamError as e:  # the error body broke mid-read: a 502 of our own
+            calls.finish(call, status="error", error={"type": "upstream_error", "message": e.message},
+                         upstream=upstream_url)
+            e.headers = {**e.headers, **call.response_headers()}
+            raise
+        finally:
+            await calls.close_upstream(call, resp)  # the replica's slot, whatever the read did
         calls.finish(call, status="error", error=upstream_error(resp.status_code, data), upstream=upstream_url)
         return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
                         headers=call.response_headers())

@@ -109,9 +109,9 @@ def count_tokens_handler(state: AppState) -> Handler:
             try:
                 resp = await client.post(replica.url + "/tokenize", content=content, headers=headers)
             except httpx.HTTPError as e:
-                raise ReplicaFailed(f"{replica.url}: {type(e).__name__}") from None
+                raise ReplicaFailed(f"{replica.label}: {type(e).__name__}") from None
             if resp.status_code >= 500:
-                raise ReplicaFailed(f"{replica.url} answered {resp.status_code}")
+                raise ReplicaFailed(f"{replica.label} answered {resp.status_code}")
             if resp.status_code >= 400:
                 raise ApiError(resp.status_code, upstream_error(resp.status_code, resp.content)["message"])
             return json_response({"input_tokens": int(resp.json()["count"])})

@@ -24,9 +24,9 @@ def models_endpoint(state: AppState) -> Endpoint:
             try:
                 resp = await client.get(replica.url + "/v1/models", headers=state.pool.auth_headers)
             except httpx.HTTPError as e:
-                raise ReplicaFailed(f"{replica.url}: {type(e).__name__}") from None
+                raise ReplicaFailed(f"{replica.label}: {type(e).__name__}") from None
             if resp.status_code != 200:
-                raise ReplicaFailed(f"{replica.url} answered {resp.status_code}")
+                raise ReplicaFailed(f"{replica.label} answered {resp.status_code}")
             if not model_id:
                 return Response(resp.content, media_type="application/json")
             for m in resp.json().get("data", []):

@@ -2,9 +2,11 @@
 
 Served responses are kept (unless `store: false`) so a later `previous_response_id` continues the
 conversation. The conversation is needed verbatim for that, so it is sealed with AES-256-GCM under
-a key derived from the deployment secret, bound to its tenant and id, and expires. Sealing and the
-database write happen on a background thread; a small in-memory LRU answers the usual immediate
-follow-up without a database read.
+a key derived from the deployment secret, bound to its tenant and id, and expires. Sealing happens
+on a background thread, which hands the sealed row to the recorder: it travels the steps' durable
+path (held until the writer acknowledges it, spooled while the database is away), so an outage of
+any length does not drop it. A small in-memory LRU answers the usual immediate follow-up without
+a database read.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import Any
 
 import orjson
 from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert
 
 from proxy.errors import ApiError
 from proxy.state import AppState
 from proxy.store import tables as t
+from proxy.store.write import SealedResponse
 
 log = logging.getLogger("atdp.responses")
 
@@ -93,7 +95,6 @@ class ResponseStore:
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, Stored] | None] = queue.Queue(queue_size)
         self._thread: threading.Thread | None = None
-        self.dropped = 0
 
     # request path: memory only
 
@@ -107,9 +108,8 @@ class ResponseStore:
         self._ensure_thread()
         try:
             self._queue.put_nowait((response_id, stored))
-        except queue.Full:  # the database is far behind; the LRU still serves the follow-up
-            self.dropped += 1
-            log.warning("stored_responses writer queue full; %s not persisted", response_id)
+        except queue.Full:  # the sealing thread is far behind: seal this one here rather than drop it
+            self._write([(response_id, stored)])
 
     def recent(self, tenant: str, response_id: str) -> Stored | None:
         with self._lock:
@@ -174,35 +174,25 @@ class ResponseStore:
                 return
 
     def _write(self, batch: list[tuple[str, Stored]]) -> None:
-
-
-        deadline = time.monotonic() + 30.0
-        while self.state.factory is None:  # the database is still starting; wait a little
-            if time.monotonic() > deadline:
-                log.warning("database unavailable; %d stored responses kept in memory only", len(batch))
-                return
-            time.sleep(0.2)
-        rows = [{"id": rid, "tenant_id": st.tenant, "step_id": st.step_id,
-                 "sealed": self.sealer.seal(st.tenant, rid, st.items), "expires_at": st.expires_at}
-                for rid, st in batch]
-        try:
-            with self.state.factory.begin() as s:
-                s.execute(insert(t.StoredResponse).values(rows).on_conflict_do_nothing(index_elements=["id"]))
-        except Exception:
-            log.exception("writing %d stored responses failed", len(batch))
+        for rid, st in batch:
+            self.state.recorder.submit(SealedResponse(id=rid, tenant_id=st.tenant, step_id=st.step_id,
+                                                      sealed=self.sealer.seal(st.tenant, rid, st.items),
+                                                      expires_at=st.expires_at))
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued so far is written (tests, shutdown)."""
-        if self._thread is None:
-            return True
-        done = threading.Event()
+        """Wait until everything put so far is sealed and durable (written or spooled by the writer)."""
+        deadline = time.monotonic() + timeout
+        if self._thread is not None:
+            done = threading.Event()
 
-        def wait() -> None:
-            self._queue.join()
-            done.set()
+            def wait() -> None:
+                self._queue.join()
+                done.set()
 
-        threading.Thread(target=wait, daemon=True).start()
-        return done.wait(timeout)
+            threading.Thread(target=wait, daemon=True).start()
+            if not done.wait(timeout):
+                return False
+        return self.state.recorder.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -12,9 +15,22 @@ from proxy.governance.redaction import RedactionConfig, Redactor
 _worker: Redactor | None = None
 
 
-def _init_worker(config: RedactionConfig) -> None:
+def _init_worker(config: RedactionConfig, parent_pid: int | None = None) -> None:
     global _worker
+    # SIGINT/SIGTERM reach the whole process group (Ctrl-C, systemd): the process that owns this pool
+    # decides when it ends (after its writer has drained), so a worker must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if parent_pid is not None:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="atdp-orphan-watch", daemon=True).start()
     _worker = Redactor(config)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A pool whose owner was killed (-9) cannot shut its workers down: they leave by themselves."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _redact_chunk(items: list[tuple[str, Any]], with_values: bool = False,
@@ -84,7 +100,7 @@ class RedactionPool:
                 max_workers=self.max_workers,
                 mp_context=multiprocessing.get_context(mp_context),
                 initializer=_init_worker,
-                initargs=(self.config,),
+                initargs=(self.config, os.getpid()),
             )
 
     @property

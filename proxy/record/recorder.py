@@ -25,16 +25,24 @@ from proxy.governance.policy import TenantPolicy
 from proxy.governance.redaction import TextRedactor
 from proxy.governance.tokens import TokenGuard, load_codec
 from proxy.record.capture import CapturedStep
+from proxy.record.durability import InFlight, WriterHealth
 from proxy.record.prepare import Preparer, TokenPolicy
 from proxy.record.spool import Spool
 from proxy.store.ids import new_id
 from proxy.store.write import (
+    SealedResponse,
     SessionInfo,
     StepRecord,
+    record_from_json,
+    write_sealed_responses,
     write_steps,
 )
 
 log = logging.getLogger("atdp.writer")
+
+
+Item = CapturedStep | SealedResponse  # what the writer takes: captured steps, sealed /v1/responses conversations
+Record = StepRecord | SealedResponse  # what it writes (or spools): every text in it already redacted (or sealed)
 
 
 class Recorder:
@@ -47,7 +55,7 @@ class Recorder:
         self.redactor = redactor
         self.preparer = Preparer(secret=secret, redactor=redactor, policy_for=policy_for, token_policy=token_policy,
                                  database=lambda: self.factory if self.db_ok else None)
-        self.queue: queue.Queue[CapturedStep | None] = queue.Queue(maxsize=queue_size)
+        self.queue: queue.Queue[Item | None] = queue.Queue(maxsize=queue_size)
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
         self.retry_interval_s = retry_interval_s
@@ -57,16 +65,27 @@ class Recorder:
         self.db_ok = factory is not None
         self._next_retry = 0.0
         self.stats = {"submitted": 0, "processed": 0, "written": 0, "spooled": 0, "overflow": 0, "errors": 0}
+        self.inflight = InFlight()  # answered steps not yet durable (feedback waits for them)
+        self.spool_error: str | None = None  # the last spool failure, until a write succeeds again
+        # Items that could not be made durable yet (the spool failed): retried, never dropped.
+        self._held: list[Item] = []
+        self._progress_at = time.monotonic()  # the last time a batch was made durable (or the queue was empty)
+        self._held_lock = threading.Lock()
+        self._give_up_at = 0.0  # set by stop(): how long a failing spool is retried on the way out
 
     # --- the request path ---------------------------------------------------------------------
 
-    def submit(self, step: CapturedStep) -> None:
-        self.stats["submitted"] += 1
+    def submit(self, item: Item) -> None:
+        if isinstance(item, CapturedStep):
+            self.stats["submitted"] += 1
+            self.inflight.add(item)
+        if self.pending == 0:
+            self._progress_at = time.monotonic()  # the lag clock starts with the first waiting item
         try:
-            self.queue.put_nowait(step)
+            self.queue.put_nowait(item)
         except queue.Full:
             self.stats["overflow"] += 1
-            self._overflow.submit(self._spill, [step])
+            self._overflow.submit(self._spill, [item])
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -75,8 +94,8 @@ class Recorder:
 
     @property
     def pending(self) -> int:
-        """Steps submitted but not yet written or spooled."""
-        return self.queue.unfinished_tasks
+        """Items submitted but not yet durable (written or spooled)."""
+        return self.queue.unfinished_tasks + len(self._held)
 
     def connect(self, url: str, factory: sessionmaker[Session]) -> None:
         """The database is reachable (now, or again after start-up): write to it from here on."""
@@ -89,63 +108,115 @@ class Recorder:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Flush what is queued (to the database, or the spool) and stop."""
+        self._give_up_at = time.monotonic() + max(0.0, timeout - 2 * self.retry_interval_s)
         self._stop.set()
         self.queue.put(None)
         self._thread.join(timeout)
         self._overflow.shutdown(wait=True)
+        if self.pending:
+            log.error("writer stopped with %d items not durable (the spool kept failing: %s)",
+                      self.pending, self.spool_error)
         self.spool.close()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything submitted so far is written or spooled (tests, shutdown)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.queue.unfinished_tasks == 0:
+            if self.pending == 0:
                 return True
             time.sleep(0.01)
         return False
+
+    def refusing(self) -> str | None:
+        """Why new calls must be refused (503) rather than answered and lost; None when they may go."""
+        return f"the capture spool cannot be written ({self.spool_error})" if self.spool_error else None
+
+    def health(self) -> WriterHealth:
+        # Lag: how long items have waited without the writer making progress (a batch made durable).
+        pending = self.pending
+        return WriterHealth(mode="thread", alive=self._thread.is_alive() or not self._thread.ident, restarts=0,
+                            held=pending, oldest_held_s=time.monotonic() - self._progress_at if pending else 0.0,
+                            spool_error=self.spool_error)
+
+    # --- durable writes (the writer thread here; the child's main loop in process mode) ---------
+
+    def persist_now(self, items: list[Item]) -> None:
+        """Make items durable now: prepared (redacted), then written, or spooled when the database is
+        away. Raises (OSError from the spool) when neither took them; the caller keeps them."""
+        steps = [x for x in items if isinstance(x, CapturedStep)]
+        sealed: list[Record] = [x for x in items if isinstance(x, SealedResponse)]
+        records: list[Record] = [*self._prepare_safely(steps), *sealed] if steps else sealed
+        for i in range(0, len(records), self.batch_size):
+            self._persist(records[i : i + self.batch_size])
+        self.spool_error = None
+        self._progress_at = time.monotonic()
+        self.stats["processed"] += len(steps)
+        self.inflight.done(steps)
+
+    def _keep(self, items: list[Item], e: BaseException) -> None:
+        self.stats["errors"] += 1
+        self.spool_error = f"{type(e).__name__}: {e}"[:300]
+        with self._held_lock:
+            self._held[:0] = items
+        log.error("could not make %d items durable (%s); holding them and refusing new calls until it works",
+                  len(items), self.spool_error)
 
     # --- the writer thread --------------------------------------------------------------------
 
     def _run(self) -> None:
         self._try_drain()
         stopping = False
-        while not stopping:
+        while True:
+            with self._held_lock:
+                held, self._held = self._held, []
+            if stopping and not held:
+                return
+            got, batch = 0, []
+            if not stopping:
+                got, batch, stopping = self._take(wait=not held)
+            items = held + batch
             try:
-                first = self.queue.get(timeout=self.retry_interval_s)
-            except queue.Empty:
-                self._try_drain()
-                continue
-            got, stopping = 1, first is None
-            batch = [] if first is None else [first]
-            deadline = time.monotonic() + self.flush_interval_s
-            while not stopping and len(batch) < self.batch_size:
-                try:
-                    nxt = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                got += 1
-                if nxt is None:
-                    stopping = True
-                else:
-                    batch.append(nxt)
-            while stopping:  # leaving: take everything still queued
-                try:
-                    x = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                got += 1
-                if x is not None:
-                    batch.append(x)
-            try:
-                for i in range(0, len(batch), self.batch_size):
-                    self._persist(self._prepare_safely(batch[i : i + self.batch_size]))
-            except Exception:
-                self.stats["errors"] += 1
-                log.exception("writer failed on a batch of %d steps", len(batch))
+                if items:
+                    self.persist_now(items)
+                elif not stopping:
+                    self._try_drain()
+            except Exception as e:
+                self._keep(items, e)
+                if self._stop.is_set() and time.monotonic() > self._give_up_at:
+                    return  # stop() reports what is still held
+                time.sleep(self.retry_interval_s)
             finally:
-                self.stats["processed"] += len(batch)
                 for _ in range(got):
                     self.queue.task_done()
+
+    def _take(self, *, wait: bool) -> tuple[int, list[Item], bool]:
+        """The next batch from the queue: (items taken incl. the stop marker, the batch, stopping)."""
+        try:
+            first = self.queue.get(timeout=self.retry_interval_s if wait else 0.0)
+        except queue.Empty:
+            return 0, [], False
+        got, stopping = 1, first is None
+        batch: list[Item] = [] if first is None else [first]
+        deadline = time.monotonic() + self.flush_interval_s
+        while not stopping and len(batch) < self.batch_size:
+            try:
+                nxt = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            got += 1
+            if nxt is None:
+                stopping = True
+            else:
+                batch.append(nxt)
+        while stopping:  # leaving: take everything still queued
+            try:
+                x = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            got += 1
+            if x is not None:
+                batch.append(x)
+        return got, batch, stopping
 
     def _prepare_safely(self, steps: list[CapturedStep]) -> list[StepRecord]:
         """Prepare a batch; a step that cannot be redacted is kept as a content-free, quarantined record."""
@@ -172,23 +243,29 @@ class Recorder:
                 ))
         return out
 
-    def _spill(self, steps: list[CapturedStep]) -> None:
+    def _spill(self, items: list[Item]) -> None:
+        steps = [x for x in items if isinstance(x, CapturedStep)]
         try:
-            self.spool.append([r.to_json() for r in self._prepare_safely(steps)])
+            records = [*self._prepare_safely(steps), *(x for x in items if isinstance(x, SealedResponse))]
+            self.spool.append([r.to_json() for r in records])
             self.stats["spooled"] += len(steps)
-        except Exception:
-            log.exception("could not spool %d overflow steps", len(steps))
+            self.inflight.done(steps)
+        except Exception as e:
+            self._keep(items, e)  # the writer thread retries them
 
     def _write_json(self, records: list[dict]) -> None:
-        self._write([StepRecord.from_json(r) for r in records])
+        self._write([record_from_json(r) for r in records])
 
-    def _write(self, records: list[StepRecord]) -> None:
+    def _write(self, records: list[Record]) -> None:
         """Write a batch; a batch the database refuses for its *content* is split, and a record that
         still fails alone is set aside in the spool's `rejected/` folder (redacted, like the spool),
         so one bad record can never block every later write. Connection failures raise."""
+        steps = [r for r in records if isinstance(r, StepRecord)]
+        sealed = [r for r in records if isinstance(r, SealedResponse)]
         try:
             with self.factory() as s, s.begin():
-                self.stats["written"] += write_steps(s, records, new_id)
+                self.stats["written"] += write_steps(s, steps, new_id)
+                write_sealed_responses(s, sealed)
             return
         except (DataError, IntegrityError, ProgrammingError) as e:
             if len(records) == 1:
@@ -200,7 +277,7 @@ class Recorder:
         for r in records:
             self._write([r])
 
-    def _persist(self, records: list[StepRecord]) -> None:
+    def _persist(self, records: list[Record]) -> None:
         if self.db_ok and not self.spool.pending():
             try:
                 self._write(records)
@@ -211,6 +288,10 @@ class Recorder:
                 log.warning("database write failed (%s); spooling %d steps", type(e).__name__, len(records))
         self.spool.append([r.to_json() for r in records])
         self.stats["spooled"] += len(records)
+        self._try_drain()
+
+    def drain_spool(self) -> None:
+        """Write spooled records back when the database is reachable (the child calls it when idle)."""
         self._try_drain()
 
     def _try_drain(self) -> None:

@@ -1,13 +1,20 @@
 """An append-only, fsync'd local spool of redacted step records, for when PostgreSQL is away.
 
 Records go to segment files named by creation time (`<ns>-<pid>.jsonl`). Appends fsync before returning, so a
-record acknowledged to the spool survives a crash. Draining rotates to a fresh segment first, then
-replays closed segments oldest first and deletes each only after its records are committed.
-Replays are safe to repeat: the store ignores step ids it already has.
+record acknowledged to the spool survives a crash; a new segment's directory entry is fsync'd too.
+An append that fails (disk full: ENOSPC, EFBIG, any OSError) cuts the segment back to where it was
+and raises: the caller keeps the records and the spool never holds a half-written line it wrote.
+Draining rotates to a fresh segment first, then replays closed segments oldest first and deletes
+each only after its records are committed. A line that does not parse (torn by a crash mid-append
+or by the disk) is moved to `quarantine/`, never silently skipped. Replays are safe to repeat: the
+store ignores step ids it already has.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import threading
 import time
@@ -16,6 +23,26 @@ from pathlib import Path
 
 import orjson
 
+log = logging.getLogger("atdp.spool")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write may write less than asked (a nearly full disk): loop, or raise."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "short write to the spool")
+        view = view[n:]
+
 
 class Spool:
     def __init__(self, directory: Path) -> None:
@@ -23,8 +50,9 @@ class Spool:
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self._lock = threading.Lock()
-        self._fh = None
+        self._fd: int | None = None
         self._current: Path | None = None
+        self.quarantined = 0  # lines moved to quarantine/ by this process
 
     def segments(self) -> list[Path]:
         return sorted(self.dir.glob("*.jsonl"))
@@ -43,29 +71,54 @@ class Spool:
         tmp = final.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(fd, data)
+            _write_all(fd, data)
             os.fsync(fd)
-        finally:
+        except OSError:
             os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
         os.rename(tmp, final)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _fsync_dir(self.dir)
 
     def append(self, records: list[dict]) -> None:
+        """Append records durably (fsync'd) or raise OSError with the segment as it was before."""
         if not records:
             return
         data = b"".join(orjson.dumps(r, option=orjson.OPT_NAIVE_UTC) + b"\n" for r in records)
         with self._lock:
-            if self._fh is None:
+            if self._fd is None:
                 self._current = self._next_path()
-                fd = os.open(self._current, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                self._fh = os.fdopen(fd, "ab")
-            self._fh.write(data)
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+                self._fd = os.open(self._current, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                try:
+                    _fsync_dir(self.dir)  # the new segment's name must survive a crash too
+                except OSError:
+                    self._close_current()
+                    raise
+            start = os.fstat(self._fd).st_size
+            try:
+                _write_all(self._fd, data)
+                os.fsync(self._fd)
+            except OSError:
+                # Leave no torn line behind for the next append to continue: cut back, and start
+                # the next append in a fresh segment.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, start)
+                    os.fsync(self._fd)
+                empty, path = start == 0, self._current
+                self._close_current()
+                if empty and path is not None:  # retries must not leave a trail of empty segments
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                raise
+
+    def _close_current(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd = None
+        self._current = None
 
     def reject(self, records: list[dict], *, reason: str) -> None:
         """Set records the database refused aside (same redacted form), with the reason, for an operator."""
@@ -76,7 +129,7 @@ class Spool:
                         for r in records)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(fd, data)
+            _write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -89,10 +142,22 @@ class Spool:
 
     def _rotate(self) -> None:
         with self._lock:
-            if self._fh is not None:
-                self._fh.close()
-                self._fh = None
-                self._current = None
+            self._close_current()
+
+    def quarantine(self, segment: Path, lines: list[bytes]) -> Path:
+        """Keep lines that do not parse beside the spool (same redacted bytes), for an operator."""
+        folder = self.dir / "quarantine"
+        folder.mkdir(exist_ok=True, mode=0o700)
+        path = folder / (segment.stem + ".torn")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            _write_all(fd, b"".join(ln + b"\n" for ln in lines))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(folder)
+        self.quarantined += len(lines)
+        return path
 
     def drain(self, write: Callable[[list[dict]], None], batch: int = 256) -> int:
         """Replay every closed segment through `write` (which raises on failure). Returns records replayed."""
@@ -103,14 +168,21 @@ class Spool:
                 if path == self._current:  # appended to since the rotate: leave it for next time
                     break
             lines = [ln for ln in path.read_bytes().splitlines() if ln.strip()]
-            records = []
+            records, torn = [], []
             for ln in lines:
                 try:
-                    records.append(orjson.loads(ln))
+                    rec = orjson.loads(ln)
                 except orjson.JSONDecodeError:
-                    continue  # a torn final line from a crash mid-append: the step was never acknowledged
+                    rec = None
+                if isinstance(rec, dict):
+                    records.append(rec)
+                else:  # torn by a crash or the disk mid-append: set aside, never silently dropped
+                    torn.append(ln)
             for i in range(0, len(records), batch):
                 write(records[i : i + batch])
+            if torn:
+                where = self.quarantine(path, torn)
+                log.warning("spool segment %s: %d torn line(s) moved to %s", path.name, len(torn), where)
             path.unlink()
             done += len(records)
         return done

@@ -1,25 +1,42 @@
 """The writer in its own process, so redaction and database writes never hold the event loop's GIL.
 
-The request path calls `WriterProcess.submit(step)`: a non-blocking put on a bounded
-multiprocessing queue (a feeder thread pickles it). The child runs the same `Recorder` as the
-in-process mode (redaction of distinct new content, batching writer, spool). If the queue is full
-(the child is behind or gone), the step is redacted here, on a side thread, and appended to the
-spool as a closed segment that the child writes back later: nothing is lost and nothing raw
-reaches disk.
+The request path calls `WriterProcess.submit(step)`, which only appends to an in-memory list. A
+sender thread ships batches to the child over a pipe, each with an id; the child runs the same
+`Recorder` as the in-process mode (redaction of distinct new content, database write, spool when
+the database is away) and acknowledges a batch only once it is durable (committed or fsync'd to
+the spool). Until then the parent holds it:
+
+- the child dies (OOM, kill -9): a supervisor thread restarts it with backoff and re-sends every
+  unacknowledged batch. Writes are idempotent by step id (and stored-response id), so a batch the
+  dead child had committed but not acknowledged is not duplicated.
+- the child cannot make a batch durable (disk full on the spool): it answers `nack`; the parent
+  keeps the batch, retries it, and `refusing()` tells the doors to answer 503 until a write works.
+- SIGTERM to the process group (systemd's default): the child ignores it; the parent's shutdown
+  waits for every batch to be acknowledged, then stops the child; what is still held then is
+  redacted and spooled here.
+- more than `queue_size` items held (the child is behind or gone): the overflow is redacted here,
+  on a side thread, and spooled as a closed segment the child writes back later.
+
+Nothing raw reaches disk on any of these paths.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
 
 from proxy.config import Settings
 from proxy.governance.policies import Policies
@@ -27,12 +44,14 @@ from proxy.governance.redaction import RedactionConfig, TextRedactor
 from proxy.governance.redaction_pool import RedactionPool
 from proxy.governance.tokens import TokenGuard, load_codec, token_policy
 from proxy.record.capture import CapturedStep
-from proxy.record.recorder import Recorder
+from proxy.record.durability import InFlight, WriterHealth
+from proxy.record.recorder import Item, Recorder
 from proxy.record.spool import Spool
 
 log = logging.getLogger("atdp.writer")
 
-_STATS = ("processed", "written", "spooled", "errors", "overflow")
+_STATS = ("processed", "written", "spooled", "errors")
+RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # a child that keeps dying is retried ever slower
 
 
 def build_recorder(settings: Settings, policies: Policies, *, redactor: TextRedactor | None = None,
@@ -52,184 +71,430 @@ def build_recorder(settings: Settings, policies: Policies, *, redactor: TextReda
     )
 
 
-class _QueueView:
-    def __init__(self, q) -> None:
-        self._q = q
+@dataclass
+class _Held:
+    """An item the parent holds until the child acknowledges it durable."""
 
-    def qsize(self) -> int:
-        try:
-            return self._q.qsize()
-        except NotImplementedError:  # macOS
-            return 0
+    seq: int  # submission order: re-sent batches keep it (a session's steps are numbered in this order)
+    since: float  # monotonic time it was submitted
+    item: Item
 
 
 class WriterProcess:
-    """The Recorder's interface, backed by a child process."""
+    """The Recorder's interface, backed by a supervised child process."""
 
     def __init__(self, settings: Settings, policies: Policies) -> None:
-        ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("spawn")
         self.settings = settings
         self.policies = policies
-        self._q = ctx.Queue(maxsize=settings.queue_size)
-        self._shared = ctx.Array("q", len(_STATS))
-        self._db_ok = ctx.Value("b", 0)
-        self._proc = ctx.Process(target=_child_main, args=(settings, policies, self._q, self._shared, self._db_ok, os.getpid()),
-                                 name="atdp-writer", daemon=True)
-        self.queue = _QueueView(self._q)
         self.spool = Spool(settings.spool_dir)
-        self.factory = None
+        self.factory: sessionmaker[Session] | None = None
+        self.inflight = InFlight()
         self.submitted = 0
+        self.restarts = 0
+        self.spool_error: str | None = None
+        self._remote_stats: dict[str, int] = dict.fromkeys(_STATS, 0)
+        self._db_ok = False
+        self._db_url: str | None = None
         self._spilled = 0
+        self._spilling = 0
         self._overflow = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atdp-spill")
         self._local: Recorder | None = None
+        # Everything below is guarded by _cond.
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._bids = itertools.count(1)
+        self._pending: deque[_Held] = deque()  # not yet sent
+        self._unacked: dict[int, list[_Held]] = {}  # sent, not yet acknowledged
+        self._held = 0
+        self._retry_at = 0.0  # after a nack: when to send again
+        self._nacks = 0
+        self._ready = False  # a child is running and connected
+        self._gen = 0  # which child `_to_child` leads to (a send to an older one must not unready a newer)
+        self._child_up = False  # the running child reported ready
+        self._proc: mp.process.BaseProcess | None = None
+        self._to_child: Connection | None = None
+        self._receiver: threading.Thread | None = None
+        self._send_lock = threading.Lock()  # one writer on the pipe at a time (the sender, _spawn)
+        self._controls: deque[tuple] = deque()  # control messages waiting for the sender thread
+        self._closing = False  # stop() began: no more restarts
+        self._closed = False
 
     # --- the request path ---------------------------------------------------------------------
 
-    def submit(self, step: CapturedStep) -> None:
-        self.submitted += 1
-        try:
-            self._q.put_nowait(step)
-        except queue.Full:
-            self._overflow.submit(self._spill, step)
+    def submit(self, item: Item) -> None:
+        """Hold an item until the child has made it durable (never blocks, never touches disk)."""
+        if isinstance(item, CapturedStep):
+            self.submitted += 1
+            self.inflight.add(item)
+        held = _Held(next(self._seq), time.monotonic(), item)
+        with self._cond:
+            if self._held < self.settings.queue_size:
+                self._pending.append(held)
+                self._held += 1
+                self._cond.notify_all()
+                return
+            self._spilling += 1
+        self._overflow.submit(self._spill, [held])
 
-    def _spill(self, step: CapturedStep) -> None:
+    def _spill(self, items: list[_Held]) -> None:
+        """Redact and spool held items here (overflow, or what is left at shutdown)."""
+        steps = [h.item for h in items if isinstance(h.item, CapturedStep)]
         try:
             if self._local is None:
                 self._local = build_recorder(self.settings, self.policies, inline=True)
                 self._local.factory = self.factory
-            records = self._local._prepare_safely([step])
+            records = [*self._local._prepare_safely(steps), *(h.item for h in items if not isinstance(h.item, CapturedStep))]
             self.spool.append_segment([r.to_json() for r in records])
-        except Exception:
-            log.exception("could not spool an overflow step")
+            self._spilled += len(steps)
+            self.inflight.done(steps)
+        except Exception as e:
+            # Not spooled: keep it for the child (which retries it) and refuse new calls meanwhile.
+            self.spool_error = f"{type(e).__name__}: {e}"[:300]
+            log.error("could not spool %d overflow items (%s); holding them", len(items), self.spool_error)
+            with self._cond:
+                self._requeue(items)
         finally:
-            self._spilled += 1
+            with self._cond:
+                self._spilling -= len(items)
 
     # --- control --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._proc.start()
+        self._spawn()
+        threading.Thread(target=self._send_loop, name="atdp-writer-send", daemon=True).start()
+        threading.Thread(target=self._supervise, name="atdp-writer-supervisor", daemon=True).start()
 
-    def connect(self, url: str, factory) -> None:
+    def connect(self, url: str, factory: sessionmaker[Session]) -> None:
         self.factory = factory
+        self._db_url = url
         if self._local is not None:
             self._local.factory = factory
-        self._q.put(("connect", url))
+        self._send_control(("connect", url))
 
-    def use_tokenizer(self, spec: str) -> None:
-        self._q.put(("tokenizer", spec))
-        self.settings = self.settings.model_copy(update={"tokenizer": spec})  # for a later overflow recorder
+    def use_tokenizer(self, spec: str) -> None:  # keep cleaned token ids of redacted steps from now on
+        self.settings = self.settings.model_copy(update={"tokenizer": spec})  # a restarted child starts with it
+        self._send_control(("tokenizer", spec))
         if self._local is not None:
             self._local.use_tokenizer(spec)
 
     def forget(self, tenant: str, **kw: Any) -> None:
-        self._q.put(("forget", tenant, kw))
+        # A restarted child starts with empty caches, so a forget lost with a dead child is harmless.
+        self._send_control(("forget", tenant, kw))
         if self._local is not None:
             self._local.forget(tenant, **kw)
 
     @property
     def pending(self) -> int:
-        """Steps submitted but not yet written or spooled."""
-        return max(0, self.submitted - self._shared[0] - self._spilled)
+        """Items submitted but not yet durable (written or spooled)."""
+        with self._cond:
+            return self._held + self._spilling
 
     @property
     def db_ok(self) -> bool:
-        return bool(self._db_ok.value)
+        return self._db_ok
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (operators, tests)."""
+        return self._proc.pid if self._proc is not None else None
 
     @property
     def stats(self) -> dict[str, int]:
-        out = dict(zip(_STATS, self._shared[:], strict=True))
+        out = dict(self._remote_stats)
         out["submitted"] = self.submitted
-        out["spooled"] += self._spilled
+        out["spooled"] = out.get("spooled", 0) + self._spilled
         out["overflow"] = self._spilled
+        out["restarts"] = self.restarts
         return out
 
+    def refusing(self) -> str | None:
+        """Why new calls must be refused (503) rather than answered and lost; None when they may go."""
+        return f"the capture spool cannot be written ({self.spool_error})" if self.spool_error else None
+
+    def health(self) -> WriterHealth:
+        with self._cond:
+            oldest = min((h.since for h in self._pending), default=None)
+            for batch in self._unacked.values():
+                if batch and (oldest is None or batch[0].since < oldest):
+                    oldest = batch[0].since
+            held = self._held + self._spilling
+        # Up once the child has said it is ready (its redactor built), until it dies.
+        alive = self._child_up and self._proc is not None and self._proc.is_alive()
+        return WriterHealth(mode="process", alive=alive, restarts=self.restarts, held=held,
+                            oldest_held_s=time.monotonic() - oldest if oldest is not None else 0.0,
+                            spool_error=self.spool_error)
+
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every step submitted so far was written or spooled."""
+        """Wait until every item submitted so far is durable (acknowledged or spooled here)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._shared[0] + self._spilled >= self.submitted:
-                return True
-            if not self._proc.is_alive():
-                return False
-            time.sleep(0.01)
-        return False
+        with self._cond:
+            while self._held + self._spilling > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Drain: wait for every held item to be acknowledged, stop the child, spool what is left."""
         self._overflow.shutdown(wait=True)
-        if self._proc.is_alive():
-            self._q.put(None)
-            self._proc.join(timeout)
-            if self._proc.is_alive():
-                log.warning("writer process did not stop in %.0f s; terminating it", timeout)
-                self._proc.terminate()
-        self._q.close()
+        if not self.flush(timeout):
+            log.warning("writer did not acknowledge %d items in %.0f s; spooling them here", self.pending, timeout)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        proc = self._proc
+        self._send_control(("stop",))
+        if proc is not None:
+            proc.join(10.0)
+            if proc.is_alive():
+                log.warning("writer process did not stop; terminating it")
+                proc.terminate()
+                proc.join(5.0)
+        if self._receiver is not None:
+            self._receiver.join(2.0)  # its last acknowledgements
+        with self._cond:
+            left = [h for batch in self._unacked.values() for h in batch] + list(self._pending)
+            self._unacked.clear()
+            self._pending.clear()
+            self._held = 0
+            self._closed = True
+            self._cond.notify_all()
+        if left:
+            with self._cond:
+                self._spilling += len(left)
+            self._spill(sorted(left, key=lambda h: h.seq))
+            if self.pending:
+                log.error("%d items could not be made durable at shutdown (%s)", self.pending, self.spool_error)
         if self._local is not None:
             self._local.redactor.close()
+        self.spool.close()
+
+    # --- the child, its pipe and its supervisor ---------------------------------------------------
+
+    def _spawn(self) -> None:
+        self._child_up = False
+        inbox_r, inbox_w = self._ctx.Pipe(duplex=False)  # parent -> child
+        outbox_r, outbox_w = self._ctx.Pipe(duplex=False)  # child -> parent
+        proc = self._ctx.Process(target=_child_main, args=(self.settings, self.policies, inbox_r, outbox_w, os.getpid()),
+                                 name="atdp-writer", daemon=True)
+        proc.start()
+        inbox_r.close()  # only the child reads these ends: a dead child then breaks our sends at once
+        outbox_w.close()
+        receiver = threading.Thread(target=self._receive, args=(outbox_r,), name="atdp-writer-acks", daemon=True)
+        receiver.start()
+        with self._send_lock:
+            if self._db_url is not None:
+                inbox_w.send(("connect", self._db_url))
+        with self._cond:
+            self._proc, self._to_child, self._receiver = proc, inbox_w, receiver
+            self._gen += 1
+            self._ready = True
+            self._cond.notify_all()
+
+    def _send_control(self, msg: tuple) -> None:
+        """Queue a control message (connect, forget, stop) for the sender thread: callers on the event
+        loop must never block on a full pipe. A child that is gone never gets it; a restarted one
+        gets "connect" from `_spawn` and has empty caches (a lost "forget" is harmless)."""
+        with self._cond:
+            self._controls.append(msg)
+            self._cond.notify_all()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not (self._ready and (
+                        self._controls or (self._pending and time.monotonic() >= self._retry_at))):
+                    self._cond.wait(0.05 if self._pending or self._controls else 1.0)
+                if self._closed:
+                    return
+                if self._controls:
+                    msg: tuple = self._controls.popleft()
+                else:
+                    # A short wait lets a burst share one batch (one transaction in the child).
+                    deadline = self._pending[0].since + self.settings.flush_interval_s
+                    while (not self._closed and 0 < len(self._pending) < self.settings.batch_size
+                           and (now := time.monotonic()) < deadline):
+                        self._cond.wait(deadline - now)
+                    batch = [self._pending.popleft() for _ in range(min(len(self._pending), self.settings.batch_size))]
+                    if not batch:
+                        continue
+                    bid = next(self._bids)
+                    self._unacked[bid] = batch
+                    msg = ("batch", bid, [h.item for h in batch])
+                conn, gen = self._to_child, self._gen
+            try:
+                with self._send_lock:
+                    if conn is None:
+                        raise ValueError("no writer process")
+                    conn.send(msg)
+            except (OSError, ValueError):
+                with self._cond:
+                    # The child it was meant for is gone: the batch waits for the next one (the
+                    # supervisor restarts it). A newer child may already run: leave it ready.
+                    if msg[0] == "batch":
+                        lost = self._unacked.pop(msg[1], None)
+                        if lost is not None:
+                            self._held -= len(lost)
+                            self._requeue(lost)
+                    if gen == self._gen:
+                        self._ready = False
+
+    def _receive(self, conn: Connection) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                conn.close()
+                return
+            kind = msg[0]
+            self._remote_stats = {k: int(msg[-1].get(k, 0)) for k in _STATS}
+            self._db_ok = bool(msg[-1].get("db_ok"))
+            if kind == "ready":
+                self._child_up = True
+            elif kind == "ack":
+                with self._cond:
+                    batch = self._unacked.pop(msg[1], None)
+                    if batch is not None:
+                        self._held -= len(batch)
+                    self._nacks = 0
+                    self._cond.notify_all()
+                self.spool_error = None
+                if batch:
+                    self.inflight.done([h.item for h in batch if isinstance(h.item, CapturedStep)])
+            elif kind == "nack":
+                self.spool_error = msg[2]
+                with self._cond:
+                    batch = self._unacked.pop(msg[1], None)
+                    if batch is not None:
+                        self._held -= len(batch)
+                        self._requeue(batch)
+                    self._nacks += 1
+                    self._retry_at = time.monotonic() + min(5.0, 0.2 * 2 ** min(self._nacks, 5))
+                    self._cond.notify_all()
+                log.error("writer could not make a batch durable (%s); holding it and retrying", msg[2])
+
+    def _requeue(self, items: list[_Held]) -> None:
+        """Put items back to be sent again, in submission order (caller holds _cond)."""
+        self._pending = deque(sorted([*items, *self._pending], key=lambda h: h.seq))
+        self._held += len(items)
+        self._cond.notify_all()
+
+    def _supervise(self) -> None:
+        failures, started = 0, time.monotonic()
+        while True:
+            time.sleep(0.1)
+            with self._cond:
+                if self._closing:
+                    return
+                proc, receiver = self._proc, self._receiver
+            if proc is None or proc.is_alive():
+                if time.monotonic() - started > 60.0:
+                    failures = 0  # it has lived a while: the next death restarts fast again
+                continue
+            with self._cond:
+                self._ready = False
+            if receiver is not None:
+                receiver.join(2.0)  # take in acknowledgements the child sent before it died
+            with self._cond:
+                unacked = [h for batch in self._unacked.values() for h in batch]
+                self._unacked.clear()
+                self._held -= len(unacked)
+                self._requeue(unacked)
+                old, self._to_child = self._to_child, None  # a send racing with this fails and requeues
+            delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
+            failures += 1
+            self.restarts += 1
+            log.error("writer process died (exit code %s); %d items held; restarting it in %.1f s",
+                      proc.exitcode, len(unacked), delay)
+            with self._send_lock:
+                if old is not None:
+                    old.close()
+            time.sleep(delay)
+            with self._cond:
+                if self._closing:
+                    return
+            try:
+                self._spawn()
+                started = time.monotonic()
+            except Exception:
+                log.exception("could not restart the writer process")
+
+
+def _child_stats(rec: Recorder) -> dict[str, int]:
+    return {**{k: rec.stats.get(k, 0) for k in _STATS}, "db_ok": int(rec.db_ok)}
 
 
 def _settle_heap(rec: Recorder) -> None:
-    """Build what the writer keeps for its life (Presidio, spaCy), then take it out of the garbage
-    collector's sight and collect young objects less often, as `atdp serve` does in the proxy.
-
-    Without this the child ran on the default thresholds over an unfrozen heap of ~160K objects: a
-    full collection every few hundred steps, about 0.2 ms of CPU per step written, taken from the
-    proxy on a small machine. Steps are plain data freed by reference counting; cycles are rare.
-    """
+    """Build what the writer keeps for its life (Presidio, spaCy), freeze it out of the collector's
+    sight and collect young objects less often, as `atdp serve` does: on default thresholds over ~160K
+    objects, full collections cost about 0.2 ms of CPU per step, taken from the proxy on small machines."""
     if isinstance(rec.redactor, RedactionPool):
         rec.redactor.warm_up()
+    else:
+        rec.redactor.redact_many([("atdp", "warm up")])
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
 
 
-def _child_main(settings: Settings, policies: Policies, q, shared, db_ok, parent_pid: int) -> None:
-    # Ctrl-C goes to the whole process group: the parent decides when we stop (after a flush).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _child_main(settings: Settings, policies: Policies, inbox: Connection, outbox: Connection, parent_pid: int) -> None:
+    # Ctrl-C and SIGTERM go to the whole process group: the parent decides when we stop, after it
+    # has every batch acknowledged. A file-size limit must be an OSError (EFBIG) here, not a death.
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGXFSZ", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("presidio-analyzer", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from proxy.store import db
 
     rec = build_recorder(settings, policies, inline=True)
+    # Build the redactor (Presidio: seconds) before saying ready, not inside the first batch: the
+    # health check shows the writer down until then, and the first steps are not held that long.
     _settle_heap(rec)
-    rec.start()
-    stop = threading.Event()
-
-    def publish() -> None:
-        while not stop.is_set():
-            for i, key in enumerate(_STATS):
-                shared[i] = rec.stats.get(key, 0)
-            db_ok.value = 1 if rec.db_ok else 0
-            time.sleep(0.005)
-
-    threading.Thread(target=publish, name="atdp-writer-stats", daemon=True).start()
     engine = None
-    while True:
-        try:
-            item = q.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent_pid:  # the proxy died without telling us: flush and leave
+    try:
+        outbox.send(("ready", _child_stats(rec)))
+        while True:
+            if not inbox.poll(rec.retry_interval_s):
+                if os.getppid() != parent_pid:  # the proxy died without telling us
+                    break
+                rec.drain_spool()
+                outbox.send(("stats", _child_stats(rec)))
+                continue
+            try:
+                msg = inbox.recv()
+            except (EOFError, OSError):
                 break
-            continue
-        if item is None:
-            break
-        if isinstance(item, tuple):
-            if item[0] == "connect":
-                engine = db.make_engine(item[1])
-                rec.connect(item[1], db.session_factory(engine))
-            elif item[0] == "forget":
-                rec.forget(item[1], **item[2])
-            elif item[0] == "tokenizer":
+            kind = msg[0]
+            if kind == "batch":
                 try:
-                    rec.use_tokenizer(item[1])
+                    rec.persist_now(msg[2])
+                except Exception as e:
+                    rec.stats["errors"] += 1
+                    outbox.send(("nack", msg[1], f"{type(e).__name__}: {e}"[:300], _child_stats(rec)))
+                else:
+                    outbox.send(("ack", msg[1], _child_stats(rec)))
+            elif kind == "connect":
+                if engine is not None:
+                    engine.dispose()
+                engine = db.make_engine(msg[1])
+                rec.connect(msg[1], db.session_factory(engine))
+            elif kind == "forget":
+                rec.forget(msg[1], **msg[2])
+            elif kind == "tokenizer":
+                try:
+                    rec.use_tokenizer(msg[1])
                 except Exception as e:  # an unreadable tokenizer: keep dropping ids of redacted steps
-                    log.warning("could not load the tokenizer %s: %s: %s", item[1], type(e).__name__, e)
-            continue
-        rec.submit(item)
-    rec.stop()
-    stop.set()
-    for i, key in enumerate(_STATS):
-        shared[i] = rec.stats.get(key, 0)
-    rec.redactor.close()
-    if engine is not None:
-        engine.dispose()
+                    log.warning("could not load the tokenizer %s: %s: %s", msg[1], type(e).__name__, e)
+            elif kind == "stop":
+                break
+    except (BrokenPipeError, EOFError):
+        pass  # the parent is gone; everything we acknowledged is durable already
+    finally:
+        rec.spool.close()
+        rec.redactor.close()
+        if engine is not None:
+            engine.dispose()

@@ -6,6 +6,7 @@ go to PostgreSQL or, when the database is away, to the spool. It is plain JSON-a
 
 from __future__ import annotations
 
+import base64
 import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -234,3 +235,44 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             .execution_options(synchronize_session=False)
         )
     return len(fresh)
+
+
+@dataclass
+class SealedResponse:
+    """A `/v1/responses` conversation, sealed (encrypted) by the Responses door, on its way to
+    `stored_responses`. It travels the steps' durable path (writer, spool) so an outage of the
+    database does not drop it; the spool holds it sealed, as the table does."""
+
+    id: str
+    tenant_id: str
+    step_id: str | None
+    sealed: bytes
+    expires_at: datetime | None
+
+    KIND = "stored_response"  # the spool's marker: step records have no "kind"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.KIND, "id": self.id, "tenant_id": self.tenant_id, "step_id": self.step_id,
+                "sealed": base64.b64encode(self.sealed).decode(), "expires_at": self.expires_at}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SealedResponse:
+        expires = data.get("expires_at")
+        return cls(id=data["id"], tenant_id=data["tenant_id"], step_id=data.get("step_id"),
+                   sealed=base64.b64decode(data["sealed"]),
+                   expires_at=datetime.fromisoformat(expires) if isinstance(expires, str) else expires)
+
+
+def record_from_json(data: dict[str, Any]) -> StepRecord | SealedResponse:
+    """A spooled record back: a sealed response (marked) or a step record."""
+    return SealedResponse.from_json(data) if data.get("kind") == SealedResponse.KIND else StepRecord.from_json(data)
+
+
+def write_sealed_responses(s: Session, rows: list[SealedResponse]) -> int:
+    """Insert sealed responses; idempotent by id (a re-sent or replayed one is ignored)."""
+    if not rows:
+        return 0
+    s.execute(insert(t.StoredResponse).values([
+        {"id": r.id, "tenant_id": r.tenant_id, "step_id": r.step_id, "sealed": r.sealed, "expires_at": r.expires_at}
+        for r in rows]).on_conflict_do_nothing(index_elements=["id"]))
+    return len(rows)

@@ -170,6 +170,12 @@ def test_named_volumes_are_declared():
     assert used == declared
 
 
+def test_proxy_has_time_to_drain_its_writer_on_stop():
+    # uvicorn's graceful shutdown (30 s) + the writer's drain (30 s) fit before Docker's SIGKILL.
+    grace = render()["services"]["proxy"]["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) >= 60
+
+
 def test_proxy_listens_on_all_interfaces_with_keys_required():
     from proxy.cli import build_parser
     from proxy.config import check_listen_address, load_settings
