@@ -125,8 +125,12 @@ def _control_paths() -> dict[str, dict[str, Any]]:
         "/atdp/v1/sessions/{session_id}/close": {"post": _op("close a session", params=[sid])},
         "/atdp/v1/versions": {
             "get": _op("every model version (admin)"),
-            "post": _op("register a checkpoint and swap it in (admin)", body=shapes.VersionRequest),
+            "post": _op("register a candidate checkpoint and run its gates; promote now skips them (admin)",
+                        body=shapes.VersionRequest),
         },
+        "/atdp/v1/versions/{version_id}": {"get": _op("a version: status, gates, override (admin)", params=[version])},
+        "/atdp/v1/versions/{version_id}/card": {"get": _op("a version's card: what changed, why, gates, affected, "
+                                                           "rollback (admin)", params=[version])},
         "/atdp/v1/versions/{version_id}/rollback": {"post": _op("roll the serving version back (admin)",
                                                                 params=[version])},
         "/atdp/v1/tenants/{tenant}/policy": {
@@ -137,6 +141,8 @@ def _control_paths() -> dict[str, dict[str, Any]]:
         "/atdp/v1/tenants/{tenant}": {"delete": _op("forget a tenant's data (admin)", params=[tenant, _query("reason")])},
         "/atdp/v1/retention/run": {"post": _op("run retention now (admin)")},
         "/atdp/v1/audit": {"get": _op("audit rows, newest first (admin)", params=audit, ok=page)},
+        "/atdp/v1/diagnosis": {"get": _op("ranked findings: where to fix (tenant key: its tenant; admin: all); "
+                                          "rules may be overridden as query parameters", params=[_query("tenant")])},
     }
 
 

@@ -217,6 +217,9 @@ class VersionRequest(BaseModel):
     checkpoint: str = Field(min_length=1)
     name: str | None = Field(default=None, min_length=1, max_length=128)
     parent: str | None = Field(default=None, min_length=1, max_length=128)
+    reason: str | None = Field(default=None, min_length=1, max_length=128)  # why (the override's audit row)
+    promote: Literal["now"] | None = None  # the operator override: skip the gates (audited)
+    wait: bool = False  # answer when the gates have decided, instead of 202 at once
 
 
 # --- checking a body ------------------------------------------------------------------------------------

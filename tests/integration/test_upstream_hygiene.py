@@ -47,7 +47,7 @@ def test_error_body_read_failure_frees_the_slot_and_a_swap_drains(start_proxy, f
     assert replica.inflight == 0
     replica.mark_alive()  # the 5xx path marked it dead for a second; the swap below does not care
     r = httpx.post(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=60,
-                   json={"checkpoint": "/ckpt/w1", "name": f"after-broken-{status}"})
+                   json={"checkpoint": "/ckpt/w1", "name": f"after-broken-{status}", "promote": "now"})
     assert r.status_code == 200, r.text
     listed = httpx.get(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
     assert listed["serving"] == f"after-broken-{status}"
