@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
-from proxy_overhead import ROOT, free_port, run_round, scratch_database, wait_http
+from proxy_overhead import run_round, start_stack
 
 
 def cpu_seconds(pid: int) -> float:
@@ -59,27 +56,10 @@ def main() -> int:
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
 
-    db_url, drop = scratch_database()
-    home = tempfile.mkdtemp(prefix="atdp-bench-")
-    os.chmod(home, 0o755)
-    up_port, proxy_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(up_port)], cwd=ROOT, env=env)]
-    penv = {**env, "ATDP_HOME": home, "ATDP_UPSTREAM_URL": f"http://127.0.0.1:{up_port}", "ATDP_OPEN_MODE": "1",
-            "ATDP_DEFAULT_TENANT": "bench"}
-    if db_url:
-        penv["ATDP_DATABASE_URL"] = db_url
-    procs.append(subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--port", str(proxy_port),
-                                   "--log-level", "warning"], cwd=ROOT, env=penv))
+    stack = start_stack()
+    procs, proxy_port = stack.procs, stack.proxy_port
     health = f"http://127.0.0.1:{proxy_port}/healthz"
     try:
-        wait_http(up_port)
-        wait_http(proxy_port, "/healthz")
-        deadline = time.monotonic() + 60
-        while not httpx.get(health).json()["database"]:
-            if time.monotonic() > deadline:
-                raise RuntimeError("proxy has no database")
-            time.sleep(0.2)
         asyncio.run(run_round(proxy_port, 400, args.concurrency, args.stream, 10_000_000))  # warm up
         while httpx.get(health).json()["writer_pending"]:
             time.sleep(0.2)
@@ -99,11 +79,7 @@ def main() -> int:
                 print(f"| {label(p)} | {1000 * (loaded[p] - before[p]) / args.n:.3f} | "
                       f"{1000 * (drained[p] - before[p]) / args.n:.3f} |")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
-        drop()
+        stack.stop()
     return 0
 
 

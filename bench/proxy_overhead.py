@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -253,13 +255,28 @@ def steps_written(url: str, home: str) -> int | None:
         engine.dispose()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=2000, help="proxied requests per scenario (same number direct)")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--rate", type=float, default=300.0, help="offered load for the concurrency-32 open-loop runs")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.json"))
-    args = ap.parse_args()
+@dataclass
+class Stack:
+    """The scripted upstream and `atdp serve` in front of it, in subprocesses, on a scratch database."""
+
+    up_port: int
+    proxy_port: int
+    procs: list[subprocess.Popen]
+    home: str
+    db_url: str | None
+    drop: Callable[[], None]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(10)
+        self.drop()
+
+
+def start_stack() -> Stack:
+    """Start both and wait until the proxy has its database (its writer is then connected)."""
+    import httpx
 
     db_url, drop = scratch_database()
     home = tempfile.mkdtemp(prefix="atdp-bench-")
@@ -273,16 +290,34 @@ def main() -> int:
         penv["ATDP_DATABASE_URL"] = db_url
     procs.append(subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--port", str(proxy_port),
                                    "--log-level", "warning"], cwd=ROOT, env=penv))
+    stack = Stack(up_port, proxy_port, procs, home, db_url, drop)
     try:
         wait_http(up_port)
         wait_http(proxy_port, "/healthz")
         deadline = time.monotonic() + 60
-        import httpx
-
         while not httpx.get(f"http://127.0.0.1:{proxy_port}/healthz").json()["database"]:
             if time.monotonic() > deadline:
                 raise RuntimeError("proxy has no database")
             time.sleep(0.2)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000, help="proxied requests per scenario (same number direct)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rate", type=float, default=300.0, help="offered load for the concurrency-32 open-loop runs")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.json"))
+    args = ap.parse_args()
+
+    stack = start_stack()
+    up_port, proxy_port, home, db_url = stack.up_port, stack.proxy_port, stack.home, stack.db_url
+    try:
+        import httpx
+
         results = []
         # Concurrency 1: back-to-back calls. Concurrency 32: an offered load of --rate requests/s on
         # up to 32 connections (open loop), and the closed-loop maximum (32 callers, no pause).
@@ -327,11 +362,7 @@ def main() -> int:
                   f"{r['proxy']['p50_ms']:.2f} / {r['proxy']['p99_ms']:.2f} | {r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | "
                   f"{r['proxy']['rps']:.0f} | {r['added_ttfb_p50_ms']:.2f} |")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
-        drop()
+        stack.stop()
     return 0
 
 

@@ -82,5 +82,23 @@ def factory(engine):
 
 
 @pytest.fixture
+def own_db(new_database):
+    """A migrated database of the test's own (url, session factory): for tests that count whole tables."""
+    url = new_database("atdp_own")
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    yield url, db.session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama (untied) for trainer tests, built once per module."""
+    from tests.trainer_tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "base", seed=0, tied=False)
+
+
+@pytest.fixture
 def tenant() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"

@@ -23,13 +23,6 @@ from trainer.loss import PPOOptions
 from trainer.main import diagnosis_gate
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    from tests.trainer_tiny import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "base", seed=0, tied=False)
-
-
 def _cfg(url: str, proxy, home: Path, gate: DiagnosisGate | None) -> TrainConfig:
     opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
     return TrainConfig(database_url=url, proxy_url=proxy.url, admin_key="admin-test-key",

@@ -17,22 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.store import db
-
 ADMIN = {"authorization": "Bearer admin-test-key"}
 PROMPTS = ["hello there", "what is 12 + 7?", "the quick brown fox", "say a number", "name a colour", "good morning"]
 MAX_TOKENS = 8
 
 pytestmark = pytest.mark.vllm
 
-
-@pytest.fixture
-def own_db(new_database):
-    url = new_database("atdp_gates_vllm")
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    yield url, db.session_factory(engine)
-    engine.dispose()
 
 
 def perturbed_checkpoint(base_dir: Path, out_dir: Path, *, scale: float = 0.5, seed: int = 3) -> Path:

@@ -23,7 +23,6 @@ from sqlalchemy import select, text
 
 from proxy import cli
 from proxy.governance.policies import Policies
-from proxy.store import db
 from proxy.store import tables as t
 from proxy.store.holdout import held_out
 from trainer import lease
@@ -33,20 +32,6 @@ from trainer.loss import PPOOptions
 ADMIN = {"authorization": "Bearer admin-test-key"}
 
 
-@pytest.fixture
-def own_db(new_database):
-    url = new_database("atdp_lifecycle")
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    yield url, db.session_factory(engine)
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    from tests.trainer_tiny import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "base", seed=0, tied=False)
 
 
 def _write(path: Path, rows: list[dict]) -> Path:

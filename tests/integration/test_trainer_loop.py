@@ -19,7 +19,6 @@ import pytest
 from sqlalchemy import select
 
 from proxy.governance.policies import Policies
-from proxy.store import db
 from proxy.store import tables as t
 from trainer import lease
 from trainer.loop import TrainConfig, run
@@ -28,20 +27,6 @@ from trainer.loss import PPOOptions
 ADMIN = {"authorization": "Bearer admin-test-key"}
 
 
-@pytest.fixture
-def own_db(new_database):
-    url = new_database("atdp_trainer")
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    yield url, db.session_factory(engine)
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    from tests.trainer_tiny import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "base", seed=0, tied=False)
 
 
 def _serving(factory, name: str, checkpoint: str, *, age_s: float = 0.0) -> str:

@@ -16,7 +16,6 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from proxy.store import db
 from proxy.store import tables as t
 from proxy.store.tokens import rebuild_prompt_ids, unrle
 from tests.fake_vllm import FakeVLLM, ServerThread
@@ -35,15 +34,6 @@ class TimedFake(FakeVLLM):
         if scope["type"] == "http" and scope["path"] in ("/pause", "/resume"):
             self.log.append((time.monotonic(), self.name, scope["path"]))
         await super().__call__(scope, receive, send)
-
-
-@pytest.fixture
-def own_db(new_database):
-    url = new_database("atdp_versions")
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    yield url, db.session_factory(engine)
-    engine.dispose()
 
 
 @pytest.fixture
