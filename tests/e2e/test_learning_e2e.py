@@ -11,7 +11,8 @@ mostly noise); 128 sessions halve the variance of both the update and the measur
 
 Negative control: the same number of rounds and updates from the same base, in a second store, with
 each round's rewards shuffled across its sessions (the same values, no information). Both arms' last
-versions then answer 128 held-out prompts (never trained on; the same seeds for both). Bar: the real
+versions then answer 128 held-out prompts (the same template, numbers no round used; the same seeds for
+both). Bar: the real
 arm's held-out reward beats the control's, with the 95% interval of the difference above 0.
 """
 
@@ -143,7 +144,8 @@ def _run_arm(proxy, vllm_server, url: str, home: Path, subset: set[int], *, shuf
 def _heldout(proxy, model: str, own, subset: set[int], *, tag: str) -> list[float]:
     """Rewards of HELDOUT prompts never trained on, the same seeds for every arm; sent without feedback."""
     def one(i: int) -> None:
-        body = {"model": model, "messages": [{"role": "user", "content": f"Held-out {i}: say something."}],
+        # The training prompts' template with numbers no round used: the same task, unseen prompts.
+        body = {"model": model, "messages": [{"role": "user", "content": f"Question {1000 + i}: say something."}],
                 "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": 10**6 + i}
         r = httpx.post(proxy.v1 + "/chat/completions", json=body, headers={"x-atdp-session-id": f"h{tag}-{i}"},
                        timeout=120)
