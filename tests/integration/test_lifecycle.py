@@ -221,7 +221,8 @@ def test_a_candidate_failing_a_suite_is_rejected_and_the_override_is_audited(
 
     # Bad input is a 4xx in the API's error format; the routes are the operator's.
     for body in ({"checkpoint": "/x", "promote": "later"}, {"checkpoint": "/x", "wait": "yes"},
-                 {"checkpoint": "/x", "surprise": 1}, {"name": "no-checkpoint"}):
+                 {"checkpoint": "/x", "surprise": 1}, {"name": "no-checkpoint"},
+                 {"checkpoint": "/x", "name": "vé"}):  # names are echoed in x-atdp-model-version: ASCII
         r = post(body)
         assert r.status_code == 422 and r.json()["error"]["message"], (body, r.text)
     assert httpx.get(proxy.url + "/atdp/v1/versions/nope", headers=ADMIN, timeout=10).status_code == 404
