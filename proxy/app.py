@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy import openapi, telemetry
 from proxy.config import Settings
-from proxy.control import admin, diagnosis, feedback, sessions, versions
+from proxy.control import admin, diagnosis, feedback, gates, sessions, versions
 from proxy.control.swap import Versions
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
@@ -94,6 +94,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             threading.Thread(target=_connect_database, args=(state, swaps), name="atdp-db-connect",
                              daemon=True).start()
             tasks.append(asyncio.create_task(_refresh_keys(state)))
+            tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
         if settings.retention_interval_s > 0:
             tasks.append(asyncio.create_task(admin.retention_loop(state, settings.retention_interval_s)))
         gc.collect()

@@ -76,7 +76,13 @@ class Call:
         return self.native_messages[self.continuation.history_len :]
 
     def response_headers(self) -> dict[str, str]:
-        return {"x-atdp-session-id": self.session.external_id, "x-atdp-step-id": self.step_id}
+        headers = {"x-atdp-session-id": self.session.external_id, "x-atdp-step-id": self.step_id}
+        # The version that served the call, as the step records it: only once a replica took the call
+        # (an answer of ours, such as "no replica", has none). Version names are printable ASCII
+        # (checked when registered); a header cannot carry other characters.
+        if self.version is not None and self.version.isascii() and self.version.isprintable():
+            headers["x-atdp-model-version"] = self.version
+        return headers
 
     def mark_token(self) -> None:
         if self.ttft_s is None:

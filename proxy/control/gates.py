@@ -13,8 +13,17 @@ are loaded back before the replica reopens. Scores come from the evaluators (pro
 - the candidate's weights do not load: the version is `failed` (as a failed swap);
 - an evaluator or a suite is broken: the gate is `error` and the version `rejected` (fail closed).
 
+Gate 2, safety (`safety`): the same answers of both versions, checked per tenant by
+proxy.evaluation.safety (secrets and PII the redaction engine detects, the tenant policy's forbidden
+and refusal patterns). It runs whenever the replay gate has answers (also when the replay gate failed,
+so the card shows both); `skipped` with it. A version is rejected when either gate is not passed.
+
 While the candidate is loaded, that replica's gate is closed: other replicas serve, and on a
 single-replica install calls wait for it (up to ATDP_SWAP_HOLD_TIMEOUT_S), like during a swap.
+
+A candidate is `evaluating` from the moment its gates are asked for (also while it waits for another
+candidate's gates), so a proxy that stops leaves it `evaluating`; `resume_gates` runs its gates again
+when the proxy starts (the engine got the serving weights back at start-up, proxy.control.swap).
 """
 
 from __future__ import annotations
@@ -27,16 +36,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from sqlalchemy import select
 
 from atdp_schema.models import GateState, VersionStatus
 from proxy.control.swap import Versions, load_weights
+from proxy.evaluation import safety
 from proxy.evaluation.cases import Answer, EvalCase, EvalSet, SuiteError, add_held_out, load_suites
 from proxy.evaluation.evaluators import EvaluatorError, Registry
 from proxy.evaluation.stats import RESAMPLES, SEED, Pair, decide
 from proxy.http import run_db
 from proxy.state import AppState
+from proxy.store import tables as t
 from proxy.store.versions import (
+    GATES,
     REPLAY_GATE,
+    SAFETY_GATE,
     VersionRef,
     mark_failed,
     mark_rejected,
@@ -64,29 +78,43 @@ class GateResult:
 async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, actor: str) -> SwapOutcome | None:
     """Evaluate `target`, then promote or reject it. Returns the promotion's swap outcome (None: no swap);
     the version's status is in the database."""
+    def queue(s) -> None:  # before the lock: a restart finds it even while it waits for another's gates
+        set_status(s, target.id, VersionStatus.evaluating)
+        for gate in GATES:
+            set_gate(s, target.id, gate, GateState.pending)
+
+    await run_db(state, queue)
     async with versions.lock:
         def begin(s) -> None:
-            set_status(s, target.id, VersionStatus.evaluating)
-            set_gate(s, target.id, REPLAY_GATE, GateState.running)
+            for gate in GATES:
+                set_gate(s, target.id, gate, GateState.running)
 
         await run_db(state, begin)
         t0 = time.perf_counter()
         try:
-            result = await replay_gate(state, versions, target)
+            results = await _evaluate(state, versions, target)
         except _CandidateLoadError as e:
             error = f"candidate weights did not load: {e}"
-            await run_db(state, lambda s: (set_gate(s, target.id, REPLAY_GATE, GateState.error, {"error": error},
-                                                    finished=True), mark_failed(s, target.id, error, actor=actor)))
+
+            def failed(s) -> None:
+                for gate in GATES:
+                    set_gate(s, target.id, gate, GateState.error, {"error": error}, finished=True)
+                mark_failed(s, target.id, error, actor=actor)
+
+            await run_db(state, failed)
             return None
-        except Exception as e:  # fail closed: a gate that cannot run does not let the version through
-            log.exception("replay gate of %s could not run", target.name)
-            result = GateResult(GateState.error, {"error": f"{type(e).__name__}: {e}"},
-                                [f"replay evaluation could not run: {type(e).__name__}: {e}"])
-        result.numbers["seconds"] = round(time.perf_counter() - t0, 3)
-        await run_db(state, lambda s: set_gate(s, target.id, REPLAY_GATE, result.state, result.numbers, finished=True))
-        if result.state not in (GateState.passed, GateState.skipped):
-            await run_db(state, lambda s: mark_rejected(s, target.id, result.reasons, actor="gate:" + REPLAY_GATE))
-            log.warning("version %s rejected: %s", target.name, "; ".join(result.reasons))
+        results[REPLAY_GATE].numbers["seconds"] = round(time.perf_counter() - t0, 3)
+
+        def record(s) -> None:
+            for gate, result in results.items():
+                set_gate(s, target.id, gate, result.state, result.numbers, finished=True)
+
+        await run_db(state, record)
+        blocking = {gate: r for gate, r in results.items() if r.state not in (GateState.passed, GateState.skipped)}
+        if blocking:
+            reasons = [reason for r in blocking.values() for reason in r.reasons]
+            await run_db(state, lambda s: mark_rejected(s, target.id, reasons, actor="gate:" + ",".join(blocking)))
+            log.warning("version %s rejected: %s", target.name, "; ".join(reasons))
             return None
         # Passed (or nothing to evaluate on): no canary yet, so straight to serving.
         outcome = await versions.swap(target)
@@ -95,11 +123,48 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
         return outcome
 
 
+async def _evaluate(state: AppState, versions: Versions, target: VersionRef) -> dict[str, GateResult]:
+    """Both gates' results. Fail closed: a gate that cannot run does not let the version through."""
+    try:
+        replay = await replay_gate(state, versions, target)
+    except _CandidateLoadError:
+        raise
+    except Exception as e:
+        log.exception("replay gate of %s could not run", target.name)
+        error = f"{type(e).__name__}: {e}"
+        return {REPLAY_GATE: GateResult(GateState.error, {"error": error}, [f"replay evaluation could not run: {error}"]),
+                SAFETY_GATE: GateResult(GateState.error, {"error": "no replay answers: " + error},
+                                        ["safety checks could not run: no replay answers"])}
+    if isinstance(replay, GateResult):  # nothing to evaluate on
+        return {REPLAY_GATE: replay, SAFETY_GATE: GateResult(GateState.skipped, {"reason": "no replay answers"}, [])}
+    results = {}
+    for gate, judge in ((REPLAY_GATE, _score), (SAFETY_GATE, _safety)):
+        try:
+            results[gate] = await asyncio.to_thread(judge, state, replay)
+        except Exception as e:
+            if not isinstance(e, GateError):
+                log.exception("gate %s of %s could not run", gate, target.name)
+            error = f"{type(e).__name__}: {e}"
+            results[gate] = GateResult(GateState.error, {**replay.counts, "error": error}, [f"{gate} could not run: {error}"])
+    return results
+
+
 class _CandidateLoadError(Exception):
     pass
 
 
-async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -> GateResult:
+@dataclass(frozen=True)
+class Replay:
+    """Both versions' answers to the evaluation set, in the cases' order."""
+
+    evalset: EvalSet
+    serving: list[Answer]
+    candidate: list[Answer]
+    counts: dict[str, int]
+
+
+async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -> Replay | GateResult:
+    """The replay: both versions' answers, or a `skipped` result when there is nothing to evaluate."""
     settings = state.settings
     evalset = await asyncio.to_thread(_collect, state)
     counts = {"suite_cases": sum(c.source.startswith("suite:") for c in evalset.cases),
@@ -129,7 +194,7 @@ async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -
             cand_answers = await _answers(client, replica, model, evalset.cases, headers, timeout, settings.eval_concurrency)
         finally:
             await versions.restore(replica, serving)  # reopen only with the serving weights back
-    return await asyncio.to_thread(_score, state, evalset, base_answers, cand_answers, counts)
+    return Replay(evalset, base_answers, cand_answers, counts)
 
 
 def _collect(state: AppState) -> EvalSet:
@@ -147,7 +212,8 @@ def _collect(state: AppState) -> EvalSet:
     return evalset
 
 
-def _score(state: AppState, evalset: EvalSet, base: list[Answer], cand: list[Answer], counts: dict) -> GateResult:
+def _score(state: AppState, replay: Replay) -> GateResult:
+    evalset, base, cand, counts = replay.evalset, replay.serving, replay.candidate, replay.counts
     registry = Registry()
     pairs: list[Pair] = []
     regressions: list[dict] = []
@@ -174,6 +240,15 @@ def _score(state: AppState, evalset: EvalSet, base: list[Answer], cand: list[Ans
     return GateResult(GateState.passed if verdict.passed else GateState.failed, numbers, verdict.reasons)
 
 
+def _safety(state: AppState, replay: Replay) -> GateResult:
+    assert state.factory is not None
+    with state.factory() as s:
+        policies = {tenant: state.policies.policy_for(s, tenant) for tenant in {c.tenant for c in replay.evalset.cases}}
+    verdict = safety.judge(replay.evalset.cases, replay.serving, replay.candidate, policy_of=policies.__getitem__,
+                           detector=state.redactor)
+    return GateResult(GateState.passed if verdict.passed else GateState.failed, dict(verdict.numbers), verdict.reasons)
+
+
 async def _model_name(client: httpx.AsyncClient, replica: Replica, headers: dict[str, str]) -> str:
     resp = await client.get(replica.url + "/v1/models", headers=headers, timeout=30.0)
     data = resp.json().get("data") if resp.status_code == 200 else None
@@ -198,3 +273,29 @@ async def _answers(client: httpx.AsyncClient, replica: Replica, model: str, case
         return Answer(text=message.get("content") or "", tool_calls=calls)
 
     return list(await asyncio.gather(*(one(c) for c in cases)))
+
+
+async def resume_gates(state: AppState, versions: Versions) -> list[str]:
+    """At start-up: run again the gates of every candidate a stopped proxy left `evaluating` (oldest
+    first, one at a time, like any gates). Returns their names."""
+    while not versions.ready.is_set():  # the serving version and the engines are known first
+        if state.stopping.is_set():
+            return []
+        await asyncio.to_thread(versions.ready.wait, 1.0)
+
+    def pending(s) -> list[VersionRef]:
+        rows = s.scalars(select(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.evaluating)
+                         .order_by(t.ModelVersion.created_at)).all()
+        for row in rows:
+            s.add(t.AuditEvent(actor="system", action="version.gates_resumed", target=row.id, details={"name": row.name}))
+        return [VersionRef(row.id, row.name, row.checkpoint) for row in rows]
+
+    try:
+        refs = await run_db(state, pending)
+    except Exception:
+        log.exception("could not look for candidates left evaluating; re-post them to run their gates")
+        return []
+    for ref in refs:
+        log.warning("version %s was left evaluating by a proxy that stopped: running its gates again", ref.name)
+        versions.start_gates(ref, lambda ref=ref: run_gates(state, versions, ref, actor="system:resumed"))
+    return [ref.name for ref in refs]

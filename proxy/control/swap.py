@@ -118,7 +118,13 @@ class Versions:
                 reported = httpx.get(replica.url + "/weight_info", headers=headers, timeout=5.0).json()
                 reported = reported.get("weight_version")
                 fresh_base = reported == "default" and roots.get(replica.url) == ref.checkpoint
-                if reported != ref.name and not fresh_base:
+                if reported != ref.name and not fresh_base and self._left_by_gates(reported):
+                    # A proxy stopped while a candidate's weights were loaded for its gates: the
+                    # serving weights go back before any call is stamped with the serving version.
+                    log.warning("replica %s still holds candidate %r (a gate was interrupted): loading %s again",
+                                replica.label, reported, ref.name)
+                    asyncio.run(self._load_now(replica, ref))
+                elif reported != ref.name and not fresh_base:
                     log.warning("replica %s reports weight version %r but the serving version is %r (%s); "
                                 "its tokens are stamped %r", replica.label, reported, ref.name, ref.checkpoint, ref.name)
                 httpx.post(replica.url + "/update_weight_version", json={"new_version": ref.name}, headers=headers,
@@ -129,6 +135,20 @@ class Versions:
         log.info("serving version %s (%s) on %d replica(s)", ref.name, ref.checkpoint, len(state.pool.replicas))
         if not state.settings.tokenizer:  # unset (or empty in compose): find it
             self._find_tokenizer([*roots.values(), ref.checkpoint])
+
+    def _left_by_gates(self, reported: str | None) -> bool:
+        """Whether a replica's weight version names a version that never served (a candidate, or one
+        its gates rejected): weights a gate loaded and could not put back."""
+        if not reported:
+            return False
+        with self.state.factory() as s:
+            status = s.scalar(select(t.ModelVersion.status).where(t.ModelVersion.name == reported))
+        return status in (VersionStatus.candidate, VersionStatus.evaluating, VersionStatus.rejected, VersionStatus.failed)
+
+    async def _load_now(self, replica: Replica, ref: VersionRef) -> None:
+        async with httpx.AsyncClient() as client:
+            await load_weights(client, replica, ref.checkpoint, ref.name, headers=self.state.pool.auth_headers,
+                               timeout_s=self.load_timeout_s)
 
     def _find_tokenizer(self, roots: list[str | None]) -> None:
         """Trainable by default: with the served model's tokenizer the writer keeps cleaned token ids of

@@ -109,6 +109,9 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
                                               or id_problem(body[key])):
                 raise ApiError(422, f"'{key}' must be a string of 1 to 128 characters without control characters",
                                param=key)
+        if body.get("name") is not None and not (body["name"].isascii() and body["name"].isprintable()):
+            raise ApiError(422, "'name' must be printable ASCII (it is echoed in the x-atdp-model-version header)",
+                           param="name")
         if problem := text_problem(body["checkpoint"], 4096):
             raise ApiError(422, f"'checkpoint' {problem}", param="checkpoint")
         if body.get("promote") not in (None, "now"):

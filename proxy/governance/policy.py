@@ -15,6 +15,7 @@ Eligibility levels, from most to least usable:
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -29,6 +30,15 @@ ELIGIBILITY_LEVELS: tuple[str, ...] = tuple(level.value for level in Eligibility
 # A step's own statuses (StepStatus) plus the failure spellings older records and clients use.
 ERROR_STATUSES = frozenset({StepStatus.error, StepStatus.aborted, "timeout", "upstream_error", "cancelled"})
 
+
+
+# English refusals as instruction-tuned models phrase them ("I can't help with that", "I'm sorry, but I
+# cannot ..."). Only counted unless a tenant sets max_refusal_rate.
+DEFAULT_REFUSAL_PATTERNS: tuple[str, ...] = (
+    r"(?i)\bI(?:'m| am)? (?:sorry|afraid),? (?:but )?I (?:can(?:no|')t|won't|will not|am unable|'m unable)",
+    r"(?i)\bI (?:can(?:no|')t|won't|will not|am not able to|'m not able to|am unable to|'m unable to) "
+    r"(?:help|assist|comply|provide|do that|answer)",
+)
 
 
 class PolicyError(ValueError):
@@ -56,6 +66,13 @@ class TenantPolicy:
     # Replay gate: a candidate fails when a tenant's paired-difference 95% interval reaches below
     # -max_regression (score units, 0..1).
     max_regression: float = 0.05
+    # Safety gate (docs/control-plane.md), on the replay gate's answers. Regexes (Python `re`) that a
+    # tenant's answers must not match; none by default.
+    forbidden_patterns: tuple[str, ...] = ()
+    # What counts as a refusal (regexes, any of them matching the answer); reported always, bounded
+    # only when max_refusal_rate is set (a share of the tenant's cases, 0..1; None: no bound).
+    refusal_patterns: tuple[str, ...] = DEFAULT_REFUSAL_PATTERNS
+    max_refusal_rate: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +106,19 @@ class TenantPolicy:
             value = getattr(self, name)
             if value not in ELIGIBILITY_LEVELS:
                 raise PolicyError(f"{name} must be one of {list(ELIGIBILITY_LEVELS)}, not {value!r}")
+        for name in ("forbidden_patterns", "refusal_patterns"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise PolicyError(f"{name} must be a list of regular expressions")
+            for pattern in value:
+                try:
+                    re.compile(pattern)
+                except re.error as exc:
+                    raise PolicyError(f"{name}: {pattern!r} is not a valid regular expression ({exc})") from None
+            setattr(self, name, tuple(value))
+        rate = self.max_refusal_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0):
+            raise PolicyError(f"max_refusal_rate must be a number from 0 to 1 or absent, not {rate!r}")
         if self.redaction_style not in ("placeholder", "hash"):
             raise PolicyError(
                 f"redaction_style must be 'placeholder' or 'hash', not {self.redaction_style!r}"
@@ -119,7 +149,7 @@ class TenantPolicy:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for key in ("redaction_entities", "redaction_allow_list"):
+        for key in ("redaction_entities", "redaction_allow_list", "forbidden_patterns", "refusal_patterns"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out

@@ -13,7 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from atdp_schema.models import VersionStatus
-from proxy.store.versions import find_version, override_of
+from proxy.store.versions import SAFETY_GATE, find_version, override_of
 
 ROLLBACK_COMMAND = ('curl -sX POST "$ATDP_URL/atdp/v1/versions/{id}/rollback" '
                     '-H "authorization: Bearer $ATDP_ADMIN_KEY"')
@@ -87,11 +87,13 @@ def card_markdown(card: dict[str, Any]) -> str:
     for g in card["gates"] or []:
         lines.append(f"- **{g['gate']}**: {g['state']}")
         n = g.get("numbers") or {}
-        if "cases" in n or "suite_cases" in n:
+        if g["gate"] != SAFETY_GATE and ("cases" in n or "suite_cases" in n):
             lines.append(f"  - cases: {n.get('suite_cases', 0)} from operator suites, {n.get('held_out_cases', 0)} from "
                          f"{n.get('held_out_sessions', 0)} held-out sessions ({n.get('unscored_held_out_steps', 0)} "
                          f"held-out steps without a task rule); {n.get('seconds', '-')} s")
-        if "overall" in n:
+        if g["gate"] == SAFETY_GATE and "overall" in n:
+            lines += _safety_lines(n)
+        elif "overall" in n:
             o = n["overall"]
             lines.append(f"  - overall: n={o['n']}, candidate {o['candidate_mean']:.3f}, serving {o['serving_mean']:.3f}, "
                          f"difference {o['diff_mean']:+.3f} [{o['ci_low']:+.3f}, {o['ci_high']:+.3f}]")
@@ -108,6 +110,20 @@ def card_markdown(card: dict[str, Any]) -> str:
     if rb["command"]:
         lines.append(f"- `{rb['command']}`")
     return "\n".join(lines) + "\n"
+
+
+def _safety_lines(n: dict[str, Any]) -> list[str]:
+    def side(x: dict[str, Any]) -> str:
+        return (f"secrets {x['secrets']}, PII {x['pii']}, forbidden {x['forbidden']}, refusals {x['refusals']}"
+                f" ({x['refusal_rate']:.0%})")
+
+    o = n["overall"]
+    lines = [f"  - overall: n={n['cases']}; candidate: {side(o['candidate'])}; serving: {side(o['serving'])}"]
+    for tenant, c in n.get("tenants", {}).items():
+        bound = c.get("max_refusal_rate")
+        lines.append(f"  - {tenant}: n={c['cases']}; candidate: {side(c['candidate'])}; serving: {side(c['serving'])}; "
+                     f"{c['forbidden_patterns']} forbidden patterns, max_refusal_rate {'-' if bound is None else bound}")
+    return lines + [f"  - {reason}" for reason in n.get("reasons", [])]
 
 
 def _inline(d: dict[str, Any]) -> str:

@@ -106,6 +106,8 @@ def swap_result(s: Session, version_id: str, outcome: dict, left_id: str | None 
 # --- the lifecycle's gates (docs/control-plane.md) ---------------------------------------------------
 
 REPLAY_GATE = "replay_eval"
+SAFETY_GATE = "safety"
+GATES = (REPLAY_GATE, SAFETY_GATE)  # in the order they are shown
 OVERRIDE_ACTION = "version.promote_override"
 
 
@@ -122,6 +124,8 @@ def set_gate(s: Session, version_id: str, gate: str, state: str, numbers: dict[s
                             started_at=datetime.now(UTC))
         s.add(row)
     row.state = state
+    if state == "running":  # (again, after a restart): when this run began
+        row.started_at = datetime.now(UTC)
     if numbers is not None:
         row.numbers = numbers
     row.finished_at = datetime.now(UTC) if finished else None
@@ -129,7 +133,7 @@ def set_gate(s: Session, version_id: str, gate: str, state: str, numbers: dict[s
 
 def gates_json(s: Session, version_id: str) -> list[dict[str, Any]]:
     rows = s.scalars(select(t.VersionGate).where(t.VersionGate.version_id == version_id)
-                     .order_by(t.VersionGate.started_at)).all()
+                     .order_by(t.VersionGate.started_at, t.VersionGate.gate)).all()
     return [{"gate": g.gate, "state": g.state, "numbers": g.numbers,
              "started_at": g.started_at.isoformat() if g.started_at else None,
              "finished_at": g.finished_at.isoformat() if g.finished_at else None} for g in rows]
@@ -146,7 +150,8 @@ def override_of(s: Session, version_id: str) -> dict[str, Any] | None:
 def record_override(s: Session, version_id: str, *, actor: str, reason: str | None) -> None:
     s.add(t.AuditEvent(actor=actor, action=OVERRIDE_ACTION, target=version_id,
                        details={"promote": "now", "reason": reason}))
-    set_gate(s, version_id, REPLAY_GATE, "overridden", {"by": actor, "reason": reason}, finished=True)
+    for gate in GATES:
+        set_gate(s, version_id, gate, "overridden", {"by": actor, "reason": reason}, finished=True)
 
 
 def mark_rejected(s: Session, version_id: str, reasons: list[str], *, actor: str = "system") -> int:

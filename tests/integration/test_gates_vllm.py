@@ -69,7 +69,7 @@ def test_replay_gate_rejects_a_perturbed_model_and_passes_an_identical_one(start
         r = post({"checkpoint": str(worse), "name": "perturbed", "wait": True})
         assert r.status_code == 200, r.text
         bad = r.json()
-        (gate,) = bad["gates"]
+        gate, _safety = bad["gates"]
         n = gate["numbers"]
         print("perturbed:", json.dumps(n["overall"]), json.dumps(n["tenants"]), f"gate {n['seconds']} s")
         assert bad["status"] == "rejected" and gate["state"] == "failed", bad
@@ -80,7 +80,8 @@ def test_replay_gate_rejects_a_perturbed_model_and_passes_an_identical_one(start
 
         r = post({"checkpoint": str(same), "name": "same", "wait": True})
         good = r.json()
-        (gate,) = good["gates"]
+        gate, safety = good["gates"]
+        assert safety["state"] == "passed" and safety["numbers"]["overall"]["candidate"] == safety["numbers"]["overall"]["serving"]
         n = gate["numbers"]
         print("identical:", json.dumps(n["overall"]), f"gate {n['seconds']} s")
         assert good["status"] == "serving" and gate["state"] == "passed", good

@@ -116,9 +116,10 @@ def test_trainer_version_passes_the_replay_gate_and_its_card_tells_its_story(
 
     detail = httpx.get(proxy.url + "/atdp/v1/versions/v1", headers=ADMIN, timeout=10).json()
     assert detail["status"] == "serving" and detail["override"] is None
-    (gate,) = detail["gates"]
+    gate, safety = detail["gates"]
     n = gate["numbers"]
     assert gate["gate"] == "replay_eval" and gate["state"] == "passed"
+    assert safety["gate"] == "safety" and safety["state"] == "passed" and safety["numbers"]["cases"] == n["cases"]
     assert n["suite_cases"] == 1 and n["held_out_cases"] == len(held) and n["cases"] == len(held) + 1
     # the fake's answers differ only in the weights' name, which both rules accept: no difference
     assert n["overall"]["diff_mean"] == 0.0 and n["overall"]["candidate_mean"] == 1.0
@@ -140,7 +141,7 @@ def test_trainer_version_passes_the_replay_gate_and_its_card_tells_its_story(
     assert ch["training"]["swap_status"] == "serving" and "loss" in ch["training"]
     assert ch["training"]["swap_seconds"] > 0  # the promotion's swap, reported back to the trainer
     assert card["why"] == {"trigger": "trainer schedule", "override": None}
-    assert [g["state"] for g in card["gates"]] == ["passed"]
+    assert [g["state"] for g in card["gates"]] == ["passed", "passed"]
     assert card["affected"] == {"tenants": {proxy.tenant: 1}, "sessions": 1}
     rb = card["rollback"]
     assert rb["possible"] and rb["restores"] == "base" and detail["id"] in rb["command"]
@@ -188,9 +189,10 @@ def test_a_candidate_failing_a_suite_is_rejected_and_the_override_is_audited(
     assert r.status_code == 200, r.text
     bad = r.json()
     assert bad["status"] == "rejected" and "tenant acme" in bad["error"]
-    (gate,) = bad["gates"]
+    gate, safety = bad["gates"]
     n = gate["numbers"]
     assert gate["state"] == "failed" and n["cases"] == 4
+    assert safety["state"] == "passed"  # the answers differ in words, not in secrets or rules
     assert n["overall"]["serving_mean"] == 1.0 and n["overall"]["candidate_mean"] == 0.0
     assert n["tenants"]["acme"]["ci_high"] == -1.0 and n["tenants"]["globex"]["ci_low"] == -1.0
     assert n["regressions"][0]["candidate"].startswith("[bad]")
@@ -209,7 +211,7 @@ def test_a_candidate_failing_a_suite_is_rejected_and_the_override_is_audited(
     assert fake_upstream.weights == "forced"
     detail = httpx.get(proxy.url + "/atdp/v1/versions/forced", headers=ADMIN, timeout=10).json()
     assert detail["override"]["promote"] == "now" and detail["override"]["reason"] == "hotfix"
-    assert detail["override"]["actor"] and detail["gates"][0]["state"] == "overridden"
+    assert detail["override"]["actor"] and [g["state"] for g in detail["gates"]] == ["overridden"] * 2
     card = httpx.get(proxy.url + "/atdp/v1/versions/forced/card", headers=ADMIN, timeout=10).json()
     assert card["why"]["trigger"] == "operator override" and card["why"]["override"]["reason"] == "hotfix"
     assert card["rollback"]["restores"] == "base"
@@ -219,7 +221,8 @@ def test_a_candidate_failing_a_suite_is_rejected_and_the_override_is_audited(
 
     # Bad input is a 4xx in the API's error format; the routes are the operator's.
     for body in ({"checkpoint": "/x", "promote": "later"}, {"checkpoint": "/x", "wait": "yes"},
-                 {"checkpoint": "/x", "surprise": 1}, {"name": "no-checkpoint"}):
+                 {"checkpoint": "/x", "surprise": 1}, {"name": "no-checkpoint"},
+                 {"checkpoint": "/x", "name": "vé"}):  # names are echoed in x-atdp-model-version: ASCII
         r = post(body)
         assert r.status_code == 422 and r.json()["error"]["message"], (body, r.text)
     assert httpx.get(proxy.url + "/atdp/v1/versions/nope", headers=ADMIN, timeout=10).status_code == 404
@@ -234,8 +237,8 @@ def test_no_evaluation_set_skips_the_gate_and_promotes(start_proxy, fake_upstrea
     r = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": "/ckpt/next", "name": "next", "wait": True},
                    headers=ADMIN, timeout=60)
     assert r.status_code == 200 and r.json()["status"] == "serving", r.text
-    (gate,) = r.json()["gates"]
-    assert gate["state"] == "skipped" and gate["numbers"]["suite_cases"] == 0 and "no evaluation" in gate["numbers"]["reason"]
+    gate, safety = r.json()["gates"]
+    assert safety["state"] == "skipped" and gate["state"] == "skipped" and gate["numbers"]["suite_cases"] == 0 and "no evaluation" in gate["numbers"]["reason"]
     assert r.json()["swap"]["ok"] and len(r.json()["swap"]["replicas"]) == 1
     assert fake_upstream.weights == "next"
 
@@ -249,6 +252,6 @@ def test_a_gate_that_cannot_score_rejects_the_candidate(start_proxy, fake_upstre
                    headers=ADMIN, timeout=60)
     body = r.json()
     assert r.status_code == 200 and body["status"] == "rejected", r.text
-    (gate,) = body["gates"]
-    assert gate["state"] == "error" and "exited 1" in gate["numbers"]["error"] and "exited 1" in body["error"]
+    gate, safety = body["gates"]
+    assert safety["state"] == "passed" and gate["state"] == "error" and "exited 1" in gate["numbers"]["error"] and "exited 1" in body["error"]
     assert fake_upstream.weights == "base" and [x.version for x in proxy.state.pool.replicas] == ["base"]
