@@ -59,7 +59,20 @@ def seed_versions(engine: Engine, now: datetime, tenants: tuple[str, ...]) -> No
                            "VALUES (:id, 'replay_eval', :state, CAST(:numbers AS jsonb), :at, :at)"),
                       {"id": _vid(name), "state": state, "numbers": orjson.dumps(numbers).decode(),
                        "at": (served or now) - timedelta(minutes=30)})
+            if name in SERVED:  # its lineage: the rewarded, eligible steps its parent served, as a trainer records it
+                c.execute(text(LINEAGE_SQL), {"id": _vid(name), "parent": parent})
 
+
+LINEAGE_SQL = """
+WITH trained AS (
+    INSERT INTO version_lineage (version_id, step_id, session_id, reward, advantage)
+    SELECT :id, st.id, st.session_id, f.reward, f.reward - avg(f.reward) OVER ()
+      FROM steps st JOIN feedback f ON f.session_id = st.session_id AND f.step_id IS NULL
+     WHERE st.model_version = :parent AND st.eligibility = 'eligible'
+    RETURNING step_id
+)
+UPDATE steps SET trained_version_id = :id WHERE id IN (SELECT step_id FROM trained)
+"""
 
 SESSIONS_SQL = """
 INSERT INTO sessions (id, tenant_id, external_id, client, task_id, status, started_at, last_step_at, labels, client_info)

@@ -225,7 +225,9 @@ def list_sessions(s: Session, policies: Policies, q: ListQuery) -> dict:
     after = q.cursor
     page: list[t.Session] = []
     more = False
-    batch = max(q.limit * 2, 50)
+    # A reward filter is applied while scanning (below): read more per round trip, as many rows fail it.
+    rewarded = q.min_reward is not None or q.max_reward is not None
+    batch = max(q.limit * 2, 1000 if rewarded else 50)
     while len(page) <= q.limit:
         stmt = select(t.Session).where(and_(*conds)) if conds else select(t.Session)
         if after is not None:
@@ -233,7 +235,7 @@ def list_sessions(s: Session, policies: Policies, q: ListQuery) -> dict:
         rows = s.scalars(stmt.order_by(t.Session.started_at.desc(), t.Session.id.desc()).limit(batch)).all()
         if not rows:
             break
-        rewards = session_rewards(s, policies, rows) if q.min_reward is not None or q.max_reward is not None else {}
+        rewards = session_rewards(s, policies, rows) if rewarded else {}
         for row in rows:
             r = rewards.get(row.id)
             if q.min_reward is not None and (r is None or r < q.min_reward):

@@ -77,14 +77,11 @@ async function route() {
   const { page, parts, query } = parseHash();
   const show = PAGES[page];
   const root = clear(app());
-  if (!show) {
-    root.append(errorBox("No such page."));
-    return;
-  }
   document.body.removeAttribute("data-ready");
   root.append(h("p", { class: "muted" }, "Loading…"));
   const started = performance.now();
   try {
+    if (!show) throw new Error("No such page.");
     const view = await show(parts, query);
     clear(root).append(view);
   } catch (err) {
@@ -98,6 +95,7 @@ async function route() {
   }
   // What the browser test and the load benchmark wait for: this page is drawn, in this many ms.
   document.body.dataset.loadedMs = String(Math.round(performance.now() - started));
+  document.body.dataset.sinceNavigationMs = String(Math.round(performance.now()));
   document.body.dataset.ready = page;
   document.body.dataset.renders = String(++renders);
 }
