@@ -162,7 +162,8 @@ def _service_paths() -> dict[str, dict[str, Any]]:
         "/openapi.json": {"get": _op("this document")},
         "/ui": {"get": _op("the operator console (docs/console.md)", ok_content=_HTML)},
         "/ui/{name}": {"get": _op("one of the console's static files", ok_content={"text/javascript": {"schema": {}},
-                                                                                   "text/css": {"schema": {}}},
+                                                                                   "text/css": {"schema": {}},
+                                                                                   **_HTML},
                                   params=[_path_param("name")])},
     }
 

@@ -61,5 +61,5 @@ def routes() -> list[Route]:
             raise ApiError(404, "no such console file")
         return _answer(*found)
 
-    return [Route("/ui", page, ("GET", "HEAD")), Route("/ui/", page, ("GET", "HEAD")),
+    return [Route("/ui", page, ("GET", "HEAD")),
             Route("/ui/{name}", asset, ("GET", "HEAD"))]

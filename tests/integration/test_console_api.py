@@ -28,7 +28,7 @@ def seeded(start_proxy, fake_upstream, own_db):
 
 def test_static_files_carry_a_strict_policy_and_nothing_else_is_served(start_proxy, fake_upstream):
     proxy = start_proxy([fake_upstream.url], wait_db=False)
-    for path, kind in (("/ui", "text/html"), ("/ui/", "text/html"), ("/ui/app.js", "text/javascript"),
+    for path, kind in (("/ui", "text/html"), ("/ui/app.js", "text/javascript"),
                        ("/ui/console.css", "text/css")):
         r = httpx.get(proxy.url + path, timeout=5)
         assert r.status_code == 200 and r.headers["content-type"].startswith(kind), path
@@ -36,6 +36,7 @@ def test_static_files_carry_a_strict_policy_and_nothing_else_is_served(start_pro
         assert "script-src 'self'" in csp and "'unsafe-inline'" not in csp and "'unsafe-eval'" not in csp
         assert r.headers["x-content-type-options"] == "nosniff" and r.headers["referrer-policy"] == "no-referrer"
     assert b'<script type="module" src="/ui/app.js">' in httpx.get(proxy.url + "/ui", timeout=5).content
+    assert httpx.get(proxy.url + "/ui/", timeout=5, follow_redirects=True).url.path == "/ui"
     for path in ("/ui/nope.js", "/ui/..%2Fapp.py", "/ui/%2e%2e%2fopenapi.py", "/ui/routes.py", "/ui/a/b"):
         r = httpx.get(proxy.url + path, timeout=5)
         assert r.status_code == 404 and r.json()["error"]["message"], path
