@@ -60,7 +60,12 @@ function chart(points) {
     svg.append(s("line", { x1: PAD.left, x2: W - PAD.right, y1: y(v), y2: y(v), class: "grid" }),
                s("text", { x: PAD.left - 6, y: y(v) + 4, "text-anchor": "end", class: "axis" }, v.toFixed(2)));
   }
-  points.forEach((p, i) => svg.append(s("text", { x: x(i), y: H - PAD.bottom + 18, "text-anchor": "middle", class: "axis" }, p.name)));
+  const every = Math.ceil(points.length / 12); // at most a dozen version names under the axis
+  points.forEach((p, i) => {
+    if (i % every === 0 || i === points.length - 1) {
+      svg.append(s("text", { x: x(i), y: H - PAD.bottom + 18, "text-anchor": "middle", class: "axis" }, p.name));
+    }
+  });
   const series = (get, cls, label) => {
     const pts = points.map((p, i) => [i, get(p)]).filter(([, v]) => v !== null && v !== undefined);
     if (pts.length > 1) svg.append(s("polyline", { points: pts.map(([i, v]) => `${x(i)},${y(v)}`).join(" "), class: `line ${cls}` }));

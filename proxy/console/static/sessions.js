@@ -8,13 +8,13 @@ const FILTERS = ["tenant", "client", "task_id", "status", "version", "eligibilit
 const STATUSES = ["", "open", "closed", "deleted"];
 
 // Cursors of the pages before the current one (keyset pagination goes forward; this goes back).
-let history = [];
+let cursorsBack = [];
 
 export async function showSessions(_parts, query) {
   const params = {};
   for (const name of [...FILTERS, "cursor"]) if (query.get(name)) params[name] = query.get(name);
   if (!auth.who.admin) delete params.tenant;
-  if (!params.cursor) history = [];
+  if (!params.cursor) cursorsBack = [];
   const page = await api("/atdp/v1/sessions", { query: { ...params, limit: 50 } });
   const view = h("section", { id: "sessions" }, h("h1", {}, "Sessions"), filterForm(params));
   if (!page.data.length) view.append(h("p", { class: "muted", id: "no-sessions" }, "No sessions match."));
@@ -22,13 +22,13 @@ export async function showSessions(_parts, query) {
   const nav = h("p", { class: "pager" });
   if (params.cursor) {
     nav.append(h("button", { type: "button", id: "prev-page", onclick: () => {
-      const back = history.pop();
+      const back = cursorsBack.pop();
       go({ ...params, cursor: back || undefined });
     } }, "← Newer"));
   }
   if (page.next_cursor) {
     nav.append(h("button", { type: "button", id: "next-page", onclick: () => {
-      history.push(params.cursor || "");
+      cursorsBack.push(params.cursor || "");
       go({ ...params, cursor: page.next_cursor });
     } }, "Older →"));
   }
@@ -61,7 +61,7 @@ function filterForm(params) {
   form.addEventListener("submit", (e) => {
     e.preventDefault();
     const data = Object.fromEntries(new FormData(form).entries());
-    history = [];
+    cursorsBack = [];
     go(data);
   });
   return form;
