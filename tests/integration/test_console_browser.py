@@ -173,6 +173,22 @@ def test_admin_finds_a_session_gives_feedback_and_rolls_back(stack):
                                                           t.AuditEvent.action.like("version.%"))) is not None
         assert stack["upstream"].weights == "v1" and stack["upstream"].version == "v1"
 
+        # Promote v2 again (the operator override), with a reason: audited with who and why.
+        # The card redraws itself after the rollback.
+        _wait(page, "document.querySelector('#version-status')?.textContent === 'rolled_back'")
+        page.click("#promote-open")
+        page.fill("#promote-reason", "rollback was a drill")
+        page.fill("#promote-confirm-name", "v2")
+        page.click("#promote-confirm")
+        page.wait_for_selector("#promote-result:has-text('Done')", timeout=30000)
+        assert "v2 is serving" in page.text_content("#promote-result")
+        with factory() as s:
+            status = dict(s.execute(select(t.ModelVersion.name, t.ModelVersion.status)).all())
+            assert status["v2"] == "serving" and status["v1"] == "retired"
+            override = s.scalars(select(t.AuditEvent).where(t.AuditEvent.action == "version.promote_override")).one()
+            assert override.actor == "admin" and override.details.get("reason") == "rollback was a drill"
+        assert stack["upstream"].weights == "v2"
+
         # Diagnosis links to example sessions; the learning chart draws a point per version.
         _then(page, "diagnosis", lambda: page.click("#nav >> text=Diagnosis"))
         example = page.locator(".examples a").first
