@@ -123,7 +123,7 @@ function stepView(step) {
   for (const r of obs.tool_results) {
     li.append(h("div", { class: `msg tool-result${r.is_error ? " is-error" : ""}` },
       h("span", { class: "role" }, `tool result ${r.tool_call_id}${r.is_error ? " (error)" : ""}`),
-      contentView(r.content)));
+      contentView(isMessage(r.content) ? r.content.content : r.content)));
   }
   const act = step.action;
   const answer = h("div", { class: "msg assistant action" }, h("span", { class: "role" }, "model answer"));
@@ -137,8 +137,13 @@ function stepView(step) {
   return li;
 }
 
+// A stored message body ({"role", "content", ...}) rather than bare content.
+function isMessage(body) {
+  return body !== null && typeof body === "object" && !Array.isArray(body) && "content" in body;
+}
+
 function messageView(role, body) {
-  const content = body && typeof body === "object" && "content" in body ? body.content : body;
+  const content = isMessage(body) ? body.content : body;
   const box = h("div", { class: `msg ${role || "unknown"}` }, h("span", { class: "role" }, role || "message"),
     contentView(content));
   if (body && Array.isArray(body.tool_calls)) {
