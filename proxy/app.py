@@ -21,7 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy import openapi, telemetry
 from proxy.config import Settings
-from proxy.control import admin, diagnosis, feedback, gates, sessions, versions
+from proxy.console import routes as console
+from proxy.control import admin, diagnosis, feedback, gates, overview, sessions, versions
 from proxy.control.swap import Versions
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
@@ -52,6 +53,8 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[
         *versions.routes(state, swaps),
         *admin.routes(state),
         *diagnosis.routes(state),
+        *overview.routes(state),
+        *console.routes(),
         Route("/", models.root, ("GET", "HEAD")),
         Route("/healthz", _healthz(state), ("GET",)),
         Route("/metrics", _metrics(state), ("GET",)),

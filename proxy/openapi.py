@@ -38,6 +38,7 @@ _ANTHROPIC_ERROR = {
 _OBJECT: dict[str, Any] = {"type": "object"}
 # Each event's data is the API's own chunk (a JSON object) or `[DONE]`: not constrained here.
 _SSE = {"text/event-stream": {"schema": {}}}
+_HTML = {"text/html": {"schema": {"type": "string"}}}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +108,8 @@ def _model_paths() -> dict[str, dict[str, Any]]:
 
 def _control_paths() -> dict[str, dict[str, Any]]:
     sid, tenant, version = _path_param("session_id"), _path_param("tenant"), _path_param("version_id")
-    listing = [_query(n) for n in ("since", "until", "task_id", "status", "eligibility", "cursor", "tenant")]
+    listing = [_query(n) for n in ("since", "until", "task_id", "client", "version", "status", "eligibility", "cursor",
+                                   "tenant")]
     listing += [_query("min_reward", {"type": "number"}), _query("max_reward", {"type": "number"}),
                 _query("limit", {"type": "integer", "minimum": 1, "maximum": 500})]
     audit = [_query(n) for n in ("tenant", "actor", "action", "since", "until")]
@@ -143,6 +145,12 @@ def _control_paths() -> dict[str, dict[str, Any]]:
         "/atdp/v1/audit": {"get": _op("audit rows, newest first (admin)", params=audit, ok=page)},
         "/atdp/v1/diagnosis": {"get": _op("ranked findings: where to fix (tenant key: its tenant; admin: all); "
                                           "rules may be overridden as query parameters", params=[_query("tenant")])},
+        "/atdp/v1/whoami": {"get": _op("the caller's key: admin, or its tenant", ok={
+            "type": "object", "required": ["admin", "tenant"],
+            "properties": {"admin": {"type": "boolean"}, "tenant": {"type": ["string", "null"]},
+                           "key_id": {"type": ["string", "null"]}}})},
+        "/atdp/v1/learning": {"get": _op("reward and held-out score per model version (tenant key: its tenant; "
+                                         "admin: all or ?tenant=)", params=[_query("tenant")], ok=page)},
     }
 
 
@@ -152,6 +160,11 @@ def _service_paths() -> dict[str, dict[str, Any]]:
         "/healthz": {"get": _op("health: database, writer, spool, replicas")},
         "/metrics": {"get": _op("Prometheus metrics", ok_content={"text/plain": {"schema": {"type": "string"}}})},
         "/openapi.json": {"get": _op("this document")},
+        "/ui": {"get": _op("the operator console (docs/console.md)", ok_content=_HTML)},
+        "/ui/{name}": {"get": _op("one of the console's static files", ok_content={"text/javascript": {"schema": {}},
+                                                                                   "text/css": {"schema": {}},
+                                                                                   **_HTML},
+                                  params=[_path_param("name")])},
     }
 
 

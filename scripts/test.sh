@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up what the tests need (both environments, the tiny model is built by the
 # fixtures), checks style and the import rules (import-linter contracts in pyproject.toml), and runs
-# the suite against a real PostgreSQL and a real vLLM.
+# the suite against a real PostgreSQL, a real vLLM and a real browser (Debian's chromium).
 #
 #   scripts/test.sh                  # everything
 #   scripts/test.sh -k chat -x       # pytest arguments pass through
@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=$(scripts/bootstrap.sh)
+scripts/browser.sh  # Debian's chromium for the console's browser test (installed when missing)
 ATDP_VLLM_PYTHON=$(scripts/vllm_env.sh)
 export ATDP_VLLM_PYTHON
 "$(dirname "$python")/ruff" check .

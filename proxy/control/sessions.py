@@ -50,8 +50,6 @@ def session_or_error(s: Session, external_id: str, tenant: str | None) -> t.Sess
     return row
 
 
-
-
 MAX_LIMIT = 500
 SESSION_STATUSES = tuple(x.value for x in m.SessionStatus)
 ELIGIBILITIES = tuple(e.value for e in m.Eligibility)
@@ -86,6 +84,8 @@ class ListQuery:
     since: datetime | None = None
     until: datetime | None = None
     task_id: str | None = None
+    client: str | None = None
+    version: str | None = None
     status: str | None = None
     min_reward: float | None = None
     max_reward: float | None = None
@@ -132,7 +132,7 @@ def decode_cursor(value: str) -> tuple[datetime, str]:
 
 
 def parse_list_query(params, tenant: str | None, *, all_tenants: bool = False) -> ListQuery:
-    known = {"since", "until", "task_id", "status", "min_reward", "max_reward", "eligibility", "limit", "cursor", "tenant"}
+    known = {"since", "until", "task_id", "client", "version", "status", "min_reward", "max_reward", "eligibility", "limit", "cursor", "tenant"}
     unknown = sorted(set(params.keys()) - known)
     if unknown:
         raise ApiError(422, f"unknown query parameters {unknown}; known: {sorted(known)}")
@@ -142,7 +142,7 @@ def parse_list_query(params, tenant: str | None, *, all_tenants: bool = False) -
         raise ApiError(422, "'limit' must be an integer") from None
     if not 1 <= limit <= MAX_LIMIT:
         raise ApiError(422, f"'limit' must be between 1 and {MAX_LIMIT}")
-    for name, longest in (("task_id", MAX_ID), ("tenant", MAX_TENANT)):
+    for name, longest in (("task_id", MAX_ID), ("client", 64), ("version", 64), ("tenant", MAX_TENANT)):
         if params.get(name) and (problem := id_problem(params[name], longest)):
             raise ApiError(422, f"'{name}' {problem}", param=name)
     for name, allowed in (("status", SESSION_STATUSES), ("eligibility", ELIGIBILITIES)):
@@ -150,7 +150,8 @@ def parse_list_query(params, tenant: str | None, *, all_tenants: bool = False) -
             raise ApiError(422, f"'{name}' must be one of {list(allowed)}", param=name)
     return ListQuery(
         tenant=tenant, since=_time("since", params.get("since")), until=_time("until", params.get("until")),
-        task_id=params.get("task_id") or None, status=params.get("status") or None,
+        task_id=params.get("task_id") or None, client=params.get("client") or None,
+        version=params.get("version") or None, status=params.get("status") or None,
         min_reward=_number("min_reward", params.get("min_reward")),
         max_reward=_number("max_reward", params.get("max_reward")),
         eligibility=params.get("eligibility") or None, limit=limit,
@@ -210,6 +211,10 @@ def list_sessions(s: Session, policies: Policies, q: ListQuery) -> dict:
         conds.append(t.Session.started_at < q.until)
     if q.task_id:
         conds.append(t.Session.task_id == q.task_id)
+    if q.client:
+        conds.append(t.Session.client == q.client)
+    if q.version:  # sessions with a step served by this version (the version of its first output token)
+        conds.append(exists().where(t.Step.session_id == t.Session.id, t.Step.model_version == q.version))
     if q.status:
         conds.append(t.Session.status == q.status)
     if q.eligibility:
@@ -220,7 +225,9 @@ def list_sessions(s: Session, policies: Policies, q: ListQuery) -> dict:
     after = q.cursor
     page: list[t.Session] = []
     more = False
-    batch = max(q.limit * 2, 50)
+    # A reward filter is applied while scanning (below): read more per round trip, as many rows fail it.
+    rewarded = q.min_reward is not None or q.max_reward is not None
+    batch = max(q.limit * 2, 1000 if rewarded else 50)
     while len(page) <= q.limit:
         stmt = select(t.Session).where(and_(*conds)) if conds else select(t.Session)
         if after is not None:
@@ -228,7 +235,7 @@ def list_sessions(s: Session, policies: Policies, q: ListQuery) -> dict:
         rows = s.scalars(stmt.order_by(t.Session.started_at.desc(), t.Session.id.desc()).limit(batch)).all()
         if not rows:
             break
-        rewards = session_rewards(s, policies, rows) if q.min_reward is not None or q.max_reward is not None else {}
+        rewards = session_rewards(s, policies, rows) if rewarded else {}
         for row in rows:
             r = rewards.get(row.id)
             if q.min_reward is not None and (r is None or r < q.min_reward):

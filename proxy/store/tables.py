@@ -88,7 +88,9 @@ class Session(Base):
     replay_of: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"))
     __table_args__ = (
         UniqueConstraint("tenant_id", "external_id", name="uq_sessions_tenant_external"),
-        Index("ix_sessions_tenant_started", "tenant_id", "started_at"),
+        # Keyset pagination of the listing, newest first (migration 0007).
+        Index("ix_sessions_started_id", "started_at", "id"),
+        Index("ix_sessions_tenant_started_id", "tenant_id", "started_at", "id"),
         Index("ix_sessions_task", "tenant_id", "task_id"),
     )
 

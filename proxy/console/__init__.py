@@ -1,0 +1,1 @@
+"""The operator console: static pages served at `/ui` (docs/console.md)."""
