@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from proxy.config import UpstreamRoute
+from proxy.errors import ApiError
 from proxy.lru import LRU
 from proxy.upstream import UpstreamError, public_url, redact_url_text
 
@@ -292,3 +293,19 @@ async def open_provider(route: ProviderRoute, body: dict[str, Any]) -> ProviderR
     except Exception as e:
         status, message = provider_error(e, route.api_key)
         return ProviderResponse(status, body=error_body(status, message))
+
+
+async def count_tokens(route: ProviderRoute, chat: dict[str, Any]) -> int:
+    """`/v1/messages/count_tokens` for a provider model: the provider's own counting API where LiteLLM
+    has one (Anthropic), else LiteLLM's local tokenizer for the model. Raises ApiError on failure."""
+    litellm = _LOADED[0] if _LOADED else await asyncio.to_thread(_litellm)
+    try:
+        resp = await asyncio.wait_for(litellm.acount_tokens(
+            model=route.target(str(chat.get("model"))), messages=chat.get("messages"), tools=chat.get("tools"),
+            api_key=route.api_key, api_base=route.api_base), route.timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        status, message = provider_error(e, route.api_key)
+        raise ApiError(status, message) from None
+    return int(resp.total_tokens)

@@ -26,6 +26,10 @@ from tests.fake_vllm import ServerThread
 ANSWER = "Checked: the tests pass."
 
 
+def token_count(body: dict[str, Any]) -> int:
+    return len(orjson.dumps(body.get("messages"))) // 4 + 7
+
+
 class BrokenStream(Exception):
     """Raised inside a stand-in's stream body: uvicorn drops the connection mid-answer."""
 
@@ -140,7 +144,17 @@ class OpenAIStandIn(StandIn):
 
 class AnthropicStandIn(StandIn):
     def app(self) -> Starlette:
-        return Starlette(routes=[Route("/v1/messages", self.messages, methods=["POST"])])
+        return Starlette(routes=[Route("/v1/messages", self.messages, methods=["POST"]),
+                                 Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])])
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's counting API: a count the test can recompute (a token per 4 bytes of the body)."""
+        raw = await request.body()
+        self.requests.append(orjson.loads(raw))
+        self.headers.append(dict(request.headers))
+        if request.headers.get("x-api-key") != self.api_key:
+            return self._error(401, "authentication_error", "invalid x-api-key")
+        return Response(orjson.dumps({"input_tokens": token_count(orjson.loads(raw))}), media_type="application/json")
 
     async def messages(self, request: Request) -> Response:
         body = orjson.loads(await request.body())

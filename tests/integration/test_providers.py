@@ -25,7 +25,7 @@ from atdp_schema.models import Eligibility, StepStatus, TokenSource
 from proxy.config import UpstreamRoute
 from proxy.governance.policy import PROVIDER_REASON
 from proxy.store import tables as t
-from tests.provider_standins import ANSWER, start_anthropic, start_openai
+from tests.provider_standins import ANSWER, start_anthropic, start_openai, token_count
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,6 +212,19 @@ def test_codex_call_to_an_openai_provider(routed, factory):
     (step,) = proxy.steps(factory, "prov-codex")
     assert step.api == "responses" and step.status == StepStatus.ok and step.token_source == TokenSource.none
     assert step.model_version == "openai/gpt-4o-mini" and step.eligibility == Eligibility.eligible
+
+
+def test_count_tokens_for_a_provider_model_asks_the_provider(routed):
+    start, _, an = routed
+    proxy = start()
+    messages = [{"role": "user", "content": "how many tokens is this question?"}]
+    got = anthropic_sdk(proxy).messages.count_tokens(model="claude-sonnet-4-5", system="be brief", messages=messages)
+    up = an.requests[-1]
+    assert an.headers[-1]["x-api-key"] == AN_KEY and up["model"] == "claude-sonnet-4-5"
+    assert got.input_tokens == token_count(up) and "how many tokens" in json.dumps(up["messages"])
+    # The provider's counting API refuses: LiteLLM counts with its local tokenizer instead.
+    an.api_key = "sk-some-other-key"
+    assert 0 < anthropic_sdk(proxy).messages.count_tokens(model="claude-sonnet-4-5", messages=messages).input_tokens
 
 
 # --- provider errors, in the caller's format ---------------------------------------------------------
