@@ -4,7 +4,8 @@ reached by LiteLLM through `api_base`. They answer in each API's real shapes, st
 with text or a tool call, and check the credential header like the hosted ones do.
 
 `mode` scripts the next answers: "text", "tool", "error:<status>", "slow" (answers after `slow_s`),
-"break" (a stream that stops mid-answer, connection dropped).
+"break" (a stream that stops mid-answer, connection dropped), "drip" (a stream with `slow_s` between
+words; `closed` counts the streams whose client went away).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class StandIn:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.server: ServerThread | None = None
+        self.closed = 0
 
     @property
     def url(self) -> str:
@@ -127,6 +129,12 @@ class OpenAIStandIn(StandIn):
                     yield chunk({"content": word if i == 0 else " " + word})
                     if mode == "break" and i == 1:
                         raise BrokenStream("stand-in dropped the stream")
+                    if mode == "drip":
+                        try:
+                            await asyncio.sleep(self.slow_s)
+                        except asyncio.CancelledError:  # the proxy closed the connection
+                            self.closed += 1
+                            raise
             yield chunk({}, "tool_calls" if tool else "stop")
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield b"data: " + orjson.dumps({"id": cid, "object": "chat.completion.chunk",

@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,42 @@ def test_codex_call_to_an_openai_provider(routed, factory):
     assert step.model_version == "openai/gpt-4o-mini" and step.eligibility == Eligibility.eligible
 
 
+def test_non_streamed_messages_and_responses_calls(routed, factory):
+    start, oa, an = routed
+    proxy = start()
+    msg = anthropic_sdk(proxy).messages.with_raw_response.create(
+        model="claude-haiku-4-5", max_tokens=32, system="be brief", messages=[{"role": "user", "content": "done?"}],
+        extra_headers={"x-atdp-session-id": "prov-plain-messages"})
+    assert [b.text for b in msg.parse().content] == [ANSWER] and msg.parse().stop_reason == "end_turn"
+    assert an.requests[-1]["system"][0]["text"] == "be brief" and an.requests[-1].get("stream") in (None, False)
+    resp = chat_sdk(proxy).responses.with_raw_response.create(model="gpt-4.1-mini", input="done?", instructions="brief",
+                                                               extra_headers={"x-atdp-session-id": "prov-plain-responses"})
+    assert resp.parse().output_text == ANSWER
+    assert oa.requests[-1]["messages"][0] == {"role": "system", "content": "brief"}
+    for raw, api, version in ((msg, "messages", "anthropic/claude-haiku-4-5"), (resp, "responses", "openai/gpt-4.1-mini")):
+        (step,) = proxy.steps(factory, raw.headers["x-atdp-session-id"])
+        assert (step.api, step.status, step.token_source, step.model_version) == (api, "ok", "none", version)
+        assert output_of(factory, step)["text"] == ANSWER and step.cost and step.cost > 0
+
+
+def test_a_client_leaving_mid_stream_closes_the_provider_stream(routed, factory):
+    start, oa, _ = routed
+    proxy = start()
+    oa.mode, oa.slow_s, closed = "drip", 2.0, oa.closed
+    with httpx.stream("POST", proxy.v1 + "/chat/completions", timeout=30, headers={"x-atdp-session-id": "prov-leave"},
+                      json={"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        first = next(r.iter_bytes())
+        assert b"Checked" in first or b"assistant" in first
+    deadline = time.monotonic() + 30
+    while not proxy.steps(factory, "prov-leave") and time.monotonic() < deadline:  # recorded once the proxy sees it
+        time.sleep(0.2)
+    (step,) = proxy.steps(factory, "prov-leave")
+    assert step.status == StepStatus.aborted and step.error["type"] == "client_disconnected"
+    while oa.closed == closed and time.monotonic() < deadline:  # the provider's stream is closed, not left to run
+        time.sleep(0.2)
+    assert oa.closed == closed + 1
+
+
 def test_count_tokens_for_a_provider_model_asks_the_provider(routed):
     start, _, an = routed
     proxy = start()
@@ -224,7 +261,7 @@ def test_count_tokens_for_a_provider_model_asks_the_provider(routed):
     assert got.input_tokens == token_count(up) and "how many tokens" in json.dumps(up["messages"])
     # The provider's counting API refuses: LiteLLM counts with its local tokenizer instead.
     an.api_key = "sk-some-other-key"
-    assert 0 < anthropic_sdk(proxy).messages.count_tokens(model="claude-sonnet-4-5", messages=messages).input_tokens
+    assert anthropic_sdk(proxy).messages.count_tokens(model="claude-sonnet-4-5", messages=messages).input_tokens > 0
 
 
 # --- provider errors, in the caller's format ---------------------------------------------------------
