@@ -60,6 +60,11 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[
     ]
 
 
+async def _warm_up_providers() -> None:
+    await asyncio.to_thread(providers.warm_up)
+    gc.freeze()  # LiteLLM's modules live for the process too: keep them out of later collections
+
+
 def create_app(settings: Settings, *, redactor: TextRedactor | None = None, connect_db: bool = True) -> FastAPI:
     policies = Policies.from_settings(settings)
     recorder: Recorder | WriterProcess
@@ -93,7 +98,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         recorder.start()
         tasks: list[asyncio.Task[None]] = []
         if state.routes.has_providers:  # LiteLLM's import takes seconds: not on the first provider call
-            tasks.append(asyncio.create_task(asyncio.to_thread(providers.warm_up)))
+            tasks.append(asyncio.create_task(_warm_up_providers()))
         if connect_db:
             threading.Thread(target=_connect_database, args=(state, swaps), name="atdp-db-connect",
                              daemon=True).start()
