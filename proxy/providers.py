@@ -1,8 +1,9 @@
 """Provider upstreams: calls the routing table sends to a hosted model, through LiteLLM's SDK.
 
 Capture-only: a provider returns no engine token ids, so its steps are stored with token source
-`none` (supervised / distillation data, never PPO). LiteLLM is imported on the first provider call
-(never by a proxy whose table has no provider route) and stays off the vLLM path.
+`none` (supervised / distillation data, never PPO). LiteLLM is imported in the background when a
+proxy whose table has a provider route starts (or by the first provider call, off the event loop);
+a proxy without one never imports it, and the vLLM path never calls it.
 
 A provider's answer is handed to the doors behind the interface a replica's answer has
 (`status_code`, `aread`, `aiter_raw` as chat-completion SSE, `aclose`): every door reads,
@@ -102,7 +103,9 @@ def build(routes: list[UpstreamRoute], environ: Mapping[str, str], default_timeo
         rows.append((rx, ProviderRoute(pattern=r.model, provider=r.provider, api_base=r.api_base,
                                        timeout_s=r.timeout_s or default_timeout_s, api_key=key)))
     table = RouteTable(tuple(rows))
-    if table.has_providers and importlib.util.find_spec("litellm") is None:
+    if not table.has_providers:
+        return RouteTable()  # only vLLM rows: the same as no table, and no lookup per call
+    if importlib.util.find_spec("litellm") is None:
         raise ProviderConfigError("provider routes need LiteLLM: pip install 'atdp[providers]'")
     return table
 
