@@ -7,6 +7,8 @@ calls closed-loop at --concurrency, then waits for the writer to drain and repor
 for each process during the load and including the drain.
 
   python bench/cpu_per_call.py [--n 3000] [--concurrency 32] [--stream | --no-stream]
+  python bench/cpu_per_call.py --with-provider-route [--rounds 6]   # the same proxy with and without a
+                                                                    # LiteLLM provider route, interleaved
 
 Compare two checkouts by running each one's copy, interleaved (A, B, A, B ...).
 """
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import os
 import time
+from collections import defaultdict
 
 import httpx
 from proxy_overhead import run_round, start_stack
@@ -54,7 +57,12 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--with-provider-route", action="store_true",
+                    help="compare the proxy without and with a provider route (rounds of --n/--rounds calls each)")
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
+    if args.with_provider_route:
+        return compare_routes(args)
 
     stack = start_stack()
     procs, proxy_port = stack.procs, stack.proxy_port
@@ -78,6 +86,48 @@ def main() -> int:
             if drained[p] - before[p] > 0:
                 print(f"| {label(p)} | {1000 * (loaded[p] - before[p]) / args.n:.3f} | "
                       f"{1000 * (drained[p] - before[p]) / args.n:.3f} |")
+    finally:
+        stack.stop()
+    return 0
+
+
+def drain(port: int) -> None:
+    while httpx.get(f"http://127.0.0.1:{port}/healthz").json()["writer_pending"]:
+        time.sleep(0.2)
+
+
+def compare_routes(args) -> int:
+    """CPU per call of the proxy (and its writer) without and with a provider route, in alternating
+    rounds, each round drained before the next (so each proxy's writer CPU is its own)."""
+    stack = start_stack(provider_route=True)
+    targets = [("no route", stack.proxy_port, stack.procs[1].pid), ("provider route", stack.routed_port,
+                                                                      stack.procs[2].pid)]
+    cpu: dict[str, dict[str, float]] = {name: defaultdict(float) for name, _, _ in targets}
+    calls = dict.fromkeys(cpu, 0)
+    per_round = max(args.concurrency, args.n // args.rounds)
+    loads = []
+    try:
+        for _, port, _ in targets:
+            asyncio.run(run_round(port, 400, args.concurrency, args.stream, 10_000_000))  # warm up
+            drain(port)
+        for k in range(args.rounds):
+            for name, port, pid in targets:
+                pids = process_tree(pid)
+                before = {p: cpu_seconds(p) for p in pids}
+                _, _, _, errors = asyncio.run(run_round(port, per_round, args.concurrency, args.stream, k * per_round))
+                assert errors == 0, f"{errors} errors"
+                drain(port)
+                for p in pids:
+                    cpu[name][label(p)] += cpu_seconds(p) - before[p]
+                calls[name] += per_round
+                loads.append(os.getloadavg()[0])
+        print(f"{args.rounds} alternating rounds of {per_round} calls per proxy, concurrency {args.concurrency}, "
+              f"stream={args.stream}; load average {min(loads):.1f}-{max(loads):.1f}")
+        print("| process | CPU ms/call, no route | CPU ms/call, provider route |")
+        print("| --- | --- | --- |")
+        for proc in ("proxy", "writer (child)"):
+            a, b = (1000 * cpu[name][proc] / calls[name] for name, _, _ in targets)
+            print(f"| {proc} | {a:.3f} | {b:.3f} |")
     finally:
         stack.stop()
     return 0

@@ -6,6 +6,8 @@ with a small keep-alive HTTP/1.1 load generator (raw asyncio sockets, so the cli
 out of the numbers). Direct and proxied calls alternate in rounds, so machine noise hits both alike.
 
   python bench/proxy_overhead.py [--requests 2000] [--out bench/results/proxy_overhead.json]
+  python bench/proxy_overhead.py --with-provider-route   # + a second proxy whose routing table has a
+                                                         # LiteLLM provider route (not the bench's model)
 
 Reports, per concurrency (1 and 32): p50/p99 latency direct and through the proxy, the added
 p50/p99, throughput, and for streams the time-to-first-byte overhead. Needs a PostgreSQL
@@ -188,16 +190,19 @@ def q(values: list[float], p: float) -> float:
 
 
 async def measure(direct_port: int, proxy_port: int, requests: int, concurrency: int, stream: bool, rounds: int,
-                  rate: float | None = None) -> dict:
+                  rate: float | None = None, routed_port: int | None = None) -> dict:
+    """Direct and proxied calls (and, with `routed_port`, calls through the proxy that has a provider
+    route) in interleaved rounds: each round runs every target once, in turn."""
     per_round = max(concurrency, requests // rounds)
-    res = {"direct": ([], [], []), "proxy": ([], [], [])}
-    errors = {"direct": 0, "proxy": 0}
+    targets = [("direct", direct_port), ("proxy", proxy_port)] + ([("proxy_routed", routed_port)] if routed_port else [])
+    res: dict[str, tuple[list[float], list[float], list[float]]] = {name: ([], [], []) for name, _ in targets}
+    errors = {name: 0 for name, _ in targets}
     i = 0
-    # Warm both paths (connections, caches, JIT-free but lazy imports) before measuring.
-    await run_round(direct_port, concurrency * 4, concurrency, stream, 10_000_000)
-    await run_round(proxy_port, concurrency * 4, concurrency, stream, 20_000_000)
+    # Warm every path (connections, caches, JIT-free but lazy imports) before measuring.
+    for k, (_, port) in enumerate(targets):
+        await run_round(port, concurrency * 4, concurrency, stream, 10_000_000 * (k + 1))
     for _ in range(rounds):
-        for name, port in (("direct", direct_port), ("proxy", proxy_port)):
+        for name, port in targets:
             if rate:
                 lat, tb, rps, err = await run_rate(port, per_round, concurrency, stream, i, rate)
             else:
@@ -208,13 +213,16 @@ async def measure(direct_port: int, proxy_port: int, requests: int, concurrency:
             res[name][2].append(rps)
             errors[name] += err
     out = {"concurrency": concurrency, "stream": stream, "offered_rps": rate, "requests_each": len(res["proxy"][0])}
-    for name in ("direct", "proxy"):
+    for name, _ in targets:
         lat, tb, rps = res[name]
         out[name] = {"p50_ms": q(lat, 0.5), "p99_ms": q(lat, 0.99), "ttfb_p50_ms": q(tb, 0.5),
                      "rps": statistics.median(rps), "errors": errors[name]}
     out["added_p50_ms"] = out["proxy"]["p50_ms"] - out["direct"]["p50_ms"]
     out["added_p99_ms"] = out["proxy"]["p99_ms"] - out["direct"]["p99_ms"]
     out["added_ttfb_p50_ms"] = out["proxy"]["ttfb_p50_ms"] - out["direct"]["ttfb_p50_ms"]
+    if routed_port:
+        out["routed_added_p50_ms"] = out["proxy_routed"]["p50_ms"] - out["direct"]["p50_ms"]
+        out["routed_added_p99_ms"] = out["proxy_routed"]["p99_ms"] - out["direct"]["p99_ms"]
     return out
 
 
@@ -265,6 +273,7 @@ class Stack:
     home: str
     db_url: str | None
     drop: Callable[[], None]
+    routed_port: int | None = None  # the proxy with a provider route (start_stack(provider_route=True))
 
     def stop(self) -> None:
         for p in self.procs:
@@ -274,11 +283,30 @@ class Stack:
         self.drop()
 
 
-def start_stack() -> Stack:
-    """Start both and wait until the proxy has its database (its writer is then connected)."""
+# A provider route for a model the bench never asks for: the routed proxy has LiteLLM loaded and a
+# table to consult on every call, and sends every bench call to the same scripted vLLM.
+BENCH_ROUTES = json.dumps([{"model": "claude-*", "provider": "anthropic/{model}", "api_key_env": "ATDP_BENCH_KEY",
+                            "api_base": "http://127.0.0.1:9"}])
+
+
+def wait_database(port: int) -> None:
     import httpx
 
+    wait_http(port, "/healthz")
+    deadline = time.monotonic() + 60
+    while not httpx.get(f"http://127.0.0.1:{port}/healthz").json()["database"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError("proxy has no database")
+        time.sleep(0.2)
+
+
+def start_stack(provider_route: bool = False) -> Stack:
+    """Start the upstream and the proxy (and with `provider_route`, a second proxy with a provider
+    route, on the same database) and wait until each has its database (its writer is then connected)."""
+
     db_url, drop = scratch_database()
+    if provider_route and not db_url:
+        raise SystemExit("--with-provider-route: both proxies write to one database; set ATDP_TEST_DATABASE_URL")
     home = tempfile.mkdtemp(prefix="atdp-bench-")
     os.chmod(home, 0o755)
     up_port, proxy_port = free_port(), free_port()
@@ -293,12 +321,16 @@ def start_stack() -> Stack:
     stack = Stack(up_port, proxy_port, procs, home, db_url, drop)
     try:
         wait_http(up_port)
-        wait_http(proxy_port, "/healthz")
-        deadline = time.monotonic() + 60
-        while not httpx.get(f"http://127.0.0.1:{proxy_port}/healthz").json()["database"]:
-            if time.monotonic() > deadline:
-                raise RuntimeError("proxy has no database")
-            time.sleep(0.2)
+        wait_database(proxy_port)
+        if provider_route:  # once the first proxy has migrated the database (two at once would race)
+            stack.routed_port = free_port()
+            rhome = tempfile.mkdtemp(prefix="atdp-bench-routed-")
+            os.chmod(rhome, 0o755)
+            renv = {**penv, "ATDP_HOME": rhome, "ATDP_DEFAULT_TENANT": "bench-routed", "ATDP_ROUTES": BENCH_ROUTES,
+                    "ATDP_BENCH_KEY": "bench-placeholder-key"}
+            procs.append(subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--port",
+                                           str(stack.routed_port), "--log-level", "warning"], cwd=ROOT, env=renv))
+            wait_database(stack.routed_port)
     except BaseException:
         stack.stop()
         raise
@@ -311,9 +343,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--rate", type=float, default=300.0, help="offered load for the concurrency-32 open-loop runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.json"))
+    ap.add_argument("--with-provider-route", action="store_true",
+                    help="also measure a proxy whose routing table has a LiteLLM provider route, interleaved")
     args = ap.parse_args()
 
-    stack = start_stack()
+    stack = start_stack(provider_route=args.with_provider_route)
     up_port, proxy_port, home, db_url = stack.up_port, stack.proxy_port, stack.home, stack.db_url
     try:
         import httpx
@@ -325,7 +359,7 @@ def main() -> int:
                      (32, False, None), (32, True, None)]
         for concurrency, stream, rate in scenarios:
             n = args.requests if concurrency == 1 else args.requests * 2
-            r = asyncio.run(measure(up_port, proxy_port, n, concurrency, stream, args.rounds, rate))
+            r = asyncio.run(measure(up_port, proxy_port, n, concurrency, stream, args.rounds, rate, stack.routed_port))
             results.append(r)
             mode = f"rate {rate:.0f}/s" if rate else "closed loop"
             print(f"c={concurrency:>2} {mode:12} stream={str(stream):5}  direct p50 {r['direct']['p50_ms']:6.2f} ms "
@@ -333,21 +367,29 @@ def main() -> int:
                   f"{r['proxy']['p50_ms']:6.2f} ms p99 {r['proxy']['p99_ms']:6.2f} ms {r['proxy']['rps']:7.0f} rps | "
                   f"added p50 {r['added_p50_ms']:5.2f} ms p99 {r['added_p99_ms']:5.2f} ms ttfb {r['added_ttfb_p50_ms']:5.2f} ms",
                   flush=True)
+            if stack.routed_port:
+                print(f"      with a provider route: proxy p50 {r['proxy_routed']['p50_ms']:6.2f} ms p99 "
+                      f"{r['proxy_routed']['p99_ms']:6.2f} ms {r['proxy_routed']['rps']:7.0f} rps | added p50 "
+                      f"{r['routed_added_p50_ms']:5.2f} ms p99 {r['routed_added_p99_ms']:5.2f} ms", flush=True)
         # Persistence was on: every proxied call must become a step in PostgreSQL. The writer may
         # still hold a backlog from the closed-loop runs (they offer far more than 300 req/s).
-        sent = sum(r["requests_each"] for r in results) + sum(r["concurrency"] * 4 for r in results)
+        per_proxy = sum(r["requests_each"] for r in results) + sum(r["concurrency"] * 4 for r in results)
+        sent = per_proxy * (2 if stack.routed_port else 1)
         t_end = time.monotonic()
         backlog = httpx.get(f"http://127.0.0.1:{proxy_port}/healthz").json()["writer_pending"]
         while True:
-            health = httpx.get(f"http://127.0.0.1:{proxy_port}/healthz").json()
-            if (health["writer_pending"] == 0 and not health["spool_pending"]) or time.monotonic() - t_end > 300:
+            healths = [httpx.get(f"http://127.0.0.1:{port}/healthz").json()
+                       for port in (proxy_port, stack.routed_port) if port]
+            done = all(h["writer_pending"] == 0 and not h["spool_pending"] for h in healths)
+            if done or time.monotonic() - t_end > 300:
                 break
             time.sleep(0.2)
         drain_s = time.monotonic() - t_end
         written = steps_written(db_url, home)
         summary = {"results": results, "proxied_calls": sent, "steps_in_database": written,
                    "writer_backlog_at_end": backlog, "writer_drain_seconds": drain_s,
-                   "machine": {"cores": os.cpu_count()}}
+                   "machine": {"cores": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+                   "provider_route": BENCH_ROUTES if stack.routed_port else None}
         print(f"steps in PostgreSQL: {written} of {sent} proxied calls "
               f"(writer backlog {backlog} at the end of the load, drained in {drain_s:.1f} s)")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -361,6 +403,16 @@ def main() -> int:
             print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r['direct']['p50_ms']:.2f} / {r['direct']['p99_ms']:.2f} | "
                   f"{r['proxy']['p50_ms']:.2f} / {r['proxy']['p99_ms']:.2f} | {r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | "
                   f"{r['proxy']['rps']:.0f} | {r['added_ttfb_p50_ms']:.2f} |")
+        if stack.routed_port:
+            print()
+            print("| concurrency | load | stream | added p50 / p99, no route (ms) | added p50 / p99, provider route (ms) | "
+                  "rps, no route / route |")
+            print("| --- | --- | --- | --- | --- | --- |")
+            for r in results:
+                load = f"{r['offered_rps']:.0f} req/s offered" if r["offered_rps"] else "closed loop"
+                print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r['added_p50_ms']:.2f} / "
+                      f"{r['added_p99_ms']:.2f} | {r['routed_added_p50_ms']:.2f} / {r['routed_added_p99_ms']:.2f} | "
+                      f"{r['proxy']['rps']:.0f} / {r['proxy_routed']['rps']:.0f} |")
     finally:
         stack.stop()
     return 0

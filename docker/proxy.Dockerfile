@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The atdp proxy (`atdp serve`): the base package only, no torch.
+# The atdp proxy (`atdp serve`): the base package and LiteLLM (provider routes), no torch.
 #   docker build -f docker/proxy.Dockerfile -t atdp-proxy .     (context: the repository root)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -13,7 +13,7 @@ COPY trainer trainer
 COPY atdp_schema atdp_schema
 COPY migrations migrations
 # Not editable: the runtime stage gets only the venv. constraints.txt pins every version.
-RUN /opt/atdp/bin/pip install -c constraints.txt .
+RUN /opt/atdp/bin/pip install -c constraints.txt '.[providers]'
 
 FROM ${PYTHON_IMAGE}
 # One uid for the proxy and trainer images: both write the shared ATDP_HOME volume.

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -19,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy import openapi, telemetry
+from proxy import openapi, providers, telemetry
 from proxy.config import Settings
 from proxy.console import routes as console
 from proxy.control import admin, diagnosis, feedback, gates, overview, sessions, versions
@@ -62,6 +63,11 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[
     ]
 
 
+async def _warm_up_providers() -> None:
+    await asyncio.to_thread(providers.warm_up)
+    gc.freeze()  # LiteLLM's modules live for the process too: keep them out of later collections
+
+
 def create_app(settings: Settings, *, redactor: TextRedactor | None = None, connect_db: bool = True) -> FastAPI:
     policies = Policies.from_settings(settings)
     recorder: Recorder | WriterProcess
@@ -83,6 +89,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         recorder=recorder,
         redactor=own_redactor,
         tracer=telemetry.Tracer(settings.otel_exporter),
+        routes=providers.build(settings.routes, os.environ, settings.upstream_timeout_s),
     )
     store = ResponseStore(state, ttl_s=settings.response_ttl_s)
     swaps = Versions(state)
@@ -93,6 +100,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         state.http = make_session(settings.upstream_timeout_s)
         recorder.start()
         tasks: list[asyncio.Task[None]] = []
+        if state.routes.has_providers:  # LiteLLM's import takes seconds: not on the first provider call
+            tasks.append(asyncio.create_task(_warm_up_providers()))
         if connect_db:
             threading.Thread(target=_connect_database, args=(state, swaps), name="atdp-db-connect",
                              daemon=True).start()

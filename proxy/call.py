@@ -21,9 +21,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from atdp_schema.models import StepStatus
-from proxy import telemetry
+from proxy import providers, telemetry
 from proxy.auth import Principal
 from proxy.errors import ApiError
+from proxy.providers import ProviderResponse, ProviderRoute
 from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras
 from proxy.sessions import Continuation, SessionRef, StepLink, match_key, prefix_hashes, resolve
 from proxy.state import AppState
@@ -42,6 +43,9 @@ from proxy.upstream import (
     redact_url_text,
     upstream_error,
 )
+
+# A replica's answer, or a provider's behind the same interface.
+Answer = UpstreamResponse | ProviderResponse
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Call:
     ttft_s: float | None = None
     finished: bool = False
     replay_of: str | None = None
+    provider: ProviderRoute | None = None  # set when the routing table sent the call to a provider
 
     @property
     def new_messages(self) -> list[Any]:
@@ -117,13 +122,18 @@ def _client_info(headers) -> dict[str, Any]:
 
 
 async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str = "/v1/chat/completions"
-                        ) -> UpstreamResponse:
-    """Send the call to a replica (sticky per session, failing over while nothing reached the client).
+                        ) -> Answer:
+    """Send the call to a replica (sticky per session, failing over while nothing reached the client),
+    or to a provider when the routing table says so (`proxy.providers`, same interface).
 
     Returns the upstream response with its headers read and its body not yet consumed; the caller
     must `close_upstream`. Raises UpstreamError (502/503) when no replica could take it.
     """
     state = call.state
+    route = state.routes.match(call.model)
+    if route is not None:
+        call.provider, call.version, call.upstream_url = route, route.target(str(call.model)), route.label
+        return await providers.open_provider(route, upstream_body)
     content = orjson.dumps(upstream_body)
     headers = {"content-type": "application/json", **state.pool.auth_headers}
     http = state.http
@@ -181,7 +191,7 @@ async def _post(http: aiohttp.ClientSession, url: str, content: bytes, headers: 
     raise AssertionError("unreachable")
 
 
-async def close_upstream(call: Call, resp: UpstreamResponse | None) -> None:
+async def close_upstream(call: Call, resp: Answer | None) -> None:
     if call.lease is not None:
         call.state.pool.release(call.lease)
         call.lease = None
@@ -217,6 +227,8 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
     prompt_tokens = usage.get("prompt_tokens") or len(cap.prompt_token_ids)
     completion_tokens = usage.get("completion_tokens") or len(cap.output_token_ids)
     parent = call.continuation.parent
+    # A provider's price from LiteLLM's cost map; engine calls are not priced here.
+    cost = providers.usage_cost(call.version, usage) if call.provider is not None and call.version else None
     step = CapturedStep(
         step_id=call.step_id, session=call.session, api=call.api, started_at=call.started_at,
         parent_step_id=parent.step_id if parent and parent.step_id else None,
@@ -230,6 +242,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, transcript_hash=transcript_hash,
         client_info=call.client_info, replay_of=call.replay_of,
         history_extras=history_extras(call.native_messages[: call.continuation.history_len]),
+        provider=call.provider.provider if call.provider is not None else None, cost=cost,
     )
     call.state.recorder.submit(step)
     telemetry.REQUESTS.labels(call.api, status).inc()
@@ -270,7 +283,7 @@ def translation_error(e: TranslationError) -> ApiError:
     return ApiError(e.status, e.message)
 
 
-async def open_translated(call: Call, upstream_body: dict[str, Any]) -> UpstreamResponse:
+async def open_translated(call: Call, upstream_body: dict[str, Any]) -> Answer:
     """Send a translated request; an upstream failure is recorded and raised as an ApiError, which
     the app renders in the door's own error shape (Anthropic or OpenAI), not vLLM's."""
     try:
@@ -296,7 +309,7 @@ async def open_translated(call: Call, upstream_body: dict[str, Any]) -> Upstream
     return resp
 
 
-async def read_completion(call: Call, resp: UpstreamResponse) -> dict[str, Any]:
+async def read_completion(call: Call, resp: Answer) -> dict[str, Any]:
     """Read a non-streamed chat completion and feed it to the capture (upstream released)."""
     try:
         data = await resp.aread()
@@ -316,7 +329,7 @@ async def read_completion(call: Call, resp: UpstreamResponse) -> dict[str, Any]:
     return parsed
 
 
-async def relay(call: Call, resp: UpstreamResponse, translator: Translator, fail: Callable[[str], list[bytes]],
+async def relay(call: Call, resp: Answer, translator: Translator, fail: Callable[[str], list[bytes]],
                 done: Callable[[str, dict[str, Any] | None], None]) -> AsyncIterator[bytes]:
     """vLLM's chat chunks -> capture (raw) and translator (client events); `done(status, error)` once.
 
@@ -334,7 +347,7 @@ async def relay(call: Call, resp: UpstreamResponse, translator: Translator, fail
                 yield b"".join(translator.feed_part(part))  # the translator answers with its error event
                 break
             call.capture.feed(part)
-            if call.ttft_s is None and call.capture.output_token_ids:
+            if call.ttft_s is None and call.capture.has_output:
                 call.mark_token()
             events = translator.feed_part(part)
             if events:
@@ -359,7 +372,7 @@ class GuardedStream(StreamingResponse):
     never runs; this wrapper still records the step (aborted) and releases the upstream.
     """
 
-    def __init__(self, call: Call, resp: UpstreamResponse, body, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, call: Call, resp: Answer, body, headers: dict[str, str] | None = None) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={**call.response_headers(), "cache-control": "no-cache", **(headers or {})})
         self._call, self._resp = call, resp

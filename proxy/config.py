@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -45,6 +45,42 @@ def default_home() -> Path:
 def _env(name: str, field: str) -> AliasChoices:
     """A field read from `ATDP_<NAME>` (and `<name>` in the TOML file) rather than from its own name."""
     return AliasChoices(field, f"ATDP_{name.upper()}", name)
+
+
+VLLM = "vllm"
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class UpstreamRoute(BaseModel):
+    """One row of the routing table: calls whose `model` matches go to `provider`.
+
+    TOML: `[[routes]]` tables; environment: `ATDP_ROUTES` as a JSON list. The first matching row
+    wins; a model no row matches goes to the vLLM replicas (`upstream_urls`), as without a table.
+    Credentials are never written here: `api_key_env` names the environment variable that holds
+    the key, read once when the proxy starts and kept in memory only.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="the requested model name, or an fnmatch pattern ('claude-*')")
+    # "vllm": the replicas. Anything else is a LiteLLM model ("anthropic/claude-sonnet-4-5",
+    # "openai/gpt-4.1", "bedrock/..."); "{model}" in it is replaced by the requested name.
+    provider: str = VLLM
+    api_key_env: str | None = Field(None, pattern=_ENV_NAME)
+    api_base: str | None = None  # the provider's endpoint, when not LiteLLM's default for it
+    timeout_s: float | None = Field(None, gt=0)  # default: upstream_timeout_s
+
+    @field_validator("provider")
+    @classmethod
+    def _provider(cls, value: str) -> str:
+        value = value.strip()
+        if value != VLLM and "/" not in value:
+            raise ValueError(f"provider must be 'vllm' or a LiteLLM model 'provider/model', not {value!r}")
+        return value
+
+    @property
+    def is_provider(self) -> bool:
+        return self.provider != VLLM
 
 
 class _Environment(EnvSettingsSource):
@@ -103,6 +139,9 @@ class Settings(BaseSettings):
     # process: redaction + writes in a child process; thread: in-process
     writer_mode: str = Field(default="process", validation_alias=_env("writer", "writer_mode"))
     response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations are kept (sealed)
+    # The routing table (see UpstreamRoute): model names or patterns -> the vLLM replicas or a
+    # LiteLLM provider model. Empty: every call goes to the replicas, and LiteLLM is never imported.
+    routes: list[UpstreamRoute] = Field(default_factory=list)
     # --- the trainer (`atdp train`; its flags override these) ----------------------------------------
     proxy_url: str | None = Field(None, description="the proxy (default http://ATDP_HOST:ATDP_PORT)")
     train_min_steps: int = Field(32, description="train once this many rewarded steps wait")

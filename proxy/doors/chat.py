@@ -16,14 +16,14 @@ from starlette.responses import Response
 
 from atdp_schema.models import StepStatus
 from proxy import call as calls
-from proxy.call import Call
+from proxy.call import Answer, Call
 from proxy.errors import ApiError, error_body
 from proxy.http import CallBegin, Route, check_body, door, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
 from proxy.shapes import ChatCompletionRequest
 from proxy.state import AppState
 from proxy.translate.sse import encode_data, iter_sse_batches
-from proxy.upstream import UpstreamError, UpstreamResponse, upstream_error
+from proxy.upstream import UpstreamError, upstream_error
 
 
 def _tool_results(messages: list[Any]) -> list[ToolResultIn]:
@@ -131,7 +131,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
                     headers=call.response_headers())
 
 
-async def _stream(call: Call, resp: UpstreamResponse, shaper: ChatShaper) -> AsyncIterator[bytes]:
+async def _stream(call: Call, resp: Answer, shaper: ChatShaper) -> AsyncIterator[bytes]:
     status, error = StepStatus.aborted, {"type": "client_disconnected", "message": "the client went away mid-stream"}
     upstream_url = call.upstream_url
     capture = call.capture
@@ -148,7 +148,7 @@ async def _stream(call: Call, resp: UpstreamResponse, shaper: ChatShaper) -> Asy
                     out += b"data: " + payload + b"\n\n"
                     continue
                 capture.feed_chunk(chunk)
-                if call.ttft_s is None and capture.output_token_ids:
+                if call.ttft_s is None and capture.has_output:
                     call.mark_token()
                 shaped = shaper.shape_chunk(chunk)
                 if shaped is not None:

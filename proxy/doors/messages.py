@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy import call as calls
+from proxy import providers
 from proxy.call import Call, open_translated, read_completion, relay, translation_error
 from proxy.errors import ApiError
 from proxy.http import CallBegin, Handler, Route, check_body, door, json_response, model_routes
@@ -92,7 +93,8 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
 def count_tokens_handler(state: AppState) -> Handler:
     async def count_tokens(request: Request, body: Any, call_begin: CallBegin) -> Response:
         """The prompt's real token count: vLLM renders the translated chat request with the model's
-        own chat template (`POST /tokenize`), the same ids a `/v1/messages` call would be given."""
+        own chat template (`POST /tokenize`), the same ids a `/v1/messages` call would be given.
+        A provider route's model is counted by its provider (or LiteLLM's local tokenizer)."""
         check_body(CountTokensRequest, body, request)
         try:
             chat = count_tokens_chat_body(body)
@@ -100,6 +102,9 @@ def count_tokens_handler(state: AppState) -> Handler:
             raise translation_error(e) from None
         if not isinstance(chat.get("model"), str):
             raise ApiError(400, "model: Field required")
+        route = state.routes.match(chat["model"])
+        if route is not None:  # a provider model: its own count (proxy.providers), not vLLM's tokenizer
+            return json_response({"input_tokens": await providers.count_tokens(route, chat)})
         content = orjson.dumps(chat)
         headers = {"content-type": "application/json", **state.pool.auth_headers}
         client = state.client

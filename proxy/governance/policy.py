@@ -197,14 +197,22 @@ def load_policies(path: str | Path) -> dict[str, TenantPolicy]:
     return policies
 
 
+PROVIDER_REASON = "ok: provider model, no engine tokens (supervised export only)"
+
+
 def decide_eligibility(
     policy: TenantPolicy,
     *,
     status: str,
     redaction_counts: dict[str, int],
     tokens_available: bool,
+    provider: str | None = None,
 ) -> tuple[str, str]:
-    """The eligibility of one captured step and why. The strictest applicable rule wins."""
+    """The eligibility of one captured step and why. The strictest applicable rule wins.
+
+    A provider step (`provider`: the LiteLLM model it went to) has no engine ids by nature: it can be
+    `eligible`, for supervised / distillation export; the trainer's lease and the RL export also
+    require engine (or re-derived) token ids, so it is never used for PPO."""
     candidates: list[tuple[str, str]] = []
     if status == Eligibility.deleted:
         return Eligibility.deleted, "deleted"
@@ -218,16 +226,16 @@ def decide_eligibility(
     pii = sorted(e for e, n in redaction_counts.items() if n > 0 and e not in SECRET_ENTITIES)
     if pii:
         candidates.append((policy.pii_eligibility, "pii redacted: " + ", ".join(pii)))
-    if not tokens_available and status not in ERROR_STATUSES:
+    if not tokens_available and status not in ERROR_STATUSES and provider is None:
         # A failed call has nothing to train on anyway; it stays debuggable under the error rule.
         candidates.append((Eligibility.audit_only, "token ids not captured"))
     if not candidates:
-        return Eligibility.eligible, "ok"
+        return Eligibility.eligible, PROVIDER_REASON if provider is not None else "ok"
     # Strictest first: deleted > quarantined > audit_only > debug_only > eligible.
     rank = {level: i for i, level in enumerate(ELIGIBILITY_LEVELS)}
     worst = max(candidates, key=lambda c: rank[c[0]])
     if worst[0] == Eligibility.eligible:
-        return Eligibility.eligible, "ok"
+        return Eligibility.eligible, PROVIDER_REASON if provider is not None else "ok"
     return worst
 
 

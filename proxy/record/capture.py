@@ -80,6 +80,11 @@ class ChatCapture:
         self.feed(read_completion(resp))
 
     @property
+    def has_output(self) -> bool:
+        """Whether a first output arrived (token ids from vLLM; text or a tool call from a provider)."""
+        return bool(self.output_token_ids or self.text or self.tool_calls or self.reasoning)
+
+    @property
     def output_text(self) -> str:
         return "".join(self.text)
 
@@ -156,6 +161,9 @@ class CapturedStep:
     # Fields of history messages that a chat template renders but the continuation key ignores
     # (`name`, `reasoning_content`): raw, scanned by the writer so token ids never carry them unseen.
     history_extras: list[dict[str, Any]] = field(default_factory=list)
+    # A provider call (the routing table's LiteLLM model): no engine ids, supervised use only.
+    provider: str | None = None
+    cost: float | None = None  # from LiteLLM's cost map, for provider calls
 
 
 # Message fields a chat template may render that `proxy.sessions.match_key` does not compare.

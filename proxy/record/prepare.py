@@ -90,6 +90,7 @@ def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any],
         output_mask=tokens.output_mask, finish_reason=st.finish_reason, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
         prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, redaction=redaction,
         eligibility=eligibility, eligibility_reason=reason, retention_until=retention, replay_of=st.replay_of,
+        cost=st.cost,
     )
 
 
@@ -268,7 +269,8 @@ class Preparer:
             self.tokens.put(st.step_id, tokens.prompt_ids + tokens.output_ids)
 
         eligibility, reason = decide_eligibility(
-            policy, status=st.status, redaction_counts=report, tokens_available=tokens.source in TRAINABLE_SOURCES
+            policy, status=st.status, redaction_counts=report, tokens_available=tokens.source in TRAINABLE_SOURCES,
+            provider=st.provider,
         )
         return step_record(
             st, session=SessionInfo(tenant_id=tenant, external_id=st.session.external_id, client=st.session.client,

@@ -221,7 +221,13 @@ def _when(value: str) -> datetime:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="write ATDP records (JSON document, JSONL training samples, Parquet)")
+    p = sub.add_parser("export", help="write ATDP records (JSON document, JSONL training samples, Parquet, "
+                                      "chat-format SFT JSONL)")
+    p.add_argument("--for", dest="purpose", choices=("rl", "sft"), default="rl",
+                   help="rl (default): ATDP records / engine-token samples; sft: chat-format JSONL for TRL's "
+                   "SFTTrainer, one line per eligible assistant turn, provider steps included")
+    p.add_argument("--provider-only", action="store_true",
+                   help="with --for sft: only steps answered by a provider route (distillation data)")
     p.add_argument("--session", help="one session (public id)")
     p.add_argument("--tenant", help="only this tenant")
     p.add_argument("--eligible", action="store_true",
@@ -237,6 +243,11 @@ def cmd_export(args) -> int:
     from proxy.config import load_settings
     from proxy.store import db
 
+    if args.purpose == "sft":
+        return _cmd_sft(args)
+    if args.provider_only:
+        print("atdp export: --provider-only goes with --for sft", file=sys.stderr)
+        return 2
     if args.format == "parquet" and args.out == "-":
         print("atdp export: parquet needs --out PATH", file=sys.stderr)
         return 2
@@ -263,3 +274,31 @@ def cmd_export(args) -> int:
     print(f"exported {stats.steps} steps from {stats.sessions} sessions ({args.format})", file=sys.stderr)
     return 0
 
+
+
+def _cmd_sft(args) -> int:
+    from proxy.config import load_settings
+    from proxy.store import db
+    from proxy.tools.export_sft import write_sft
+
+    if args.format not in ("atdp-json", "jsonl") or args.eligible:
+        print("atdp export --for sft writes JSONL of eligible steps: drop --format/--eligible", file=sys.stderr)
+        return 2
+    f = ExportFilter(session=args.session, tenant=args.tenant, since=args.since, until=args.until)
+    engine = db.make_engine(db.database_url(load_settings()))
+    try:
+        factory = db.session_factory(engine)
+        with factory() as s, s.begin():
+            if args.out == "-":
+                stats = write_sft(s, iter_sessions(s, f), sys.stdout.buffer, provider_only=args.provider_only)
+                sys.stdout.buffer.flush()
+            else:
+                with open(args.out, "wb") as out:
+                    stats = write_sft(s, iter_sessions(s, f), out, provider_only=args.provider_only)
+        with db.transaction(factory) as s:
+            audit_export(s, f, "sft-jsonl", args.out, ExportStats(sessions=stats.sessions, steps=stats.steps))
+    finally:
+        engine.dispose()
+    print(f"exported {stats.steps} assistant turns from {stats.sessions} sessions (sft-jsonl; "
+          f"{stats.skipped} skipped: content forgotten or not translatable)", file=sys.stderr)
+    return 0

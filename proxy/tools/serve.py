@@ -30,7 +30,12 @@ def cmd_serve(args) -> int:
     if args.port:
         settings.port = args.port
     check_listen_address(settings)
-    app = create_app(settings)
+    from proxy.providers import ProviderConfigError
+
+    try:
+        app = create_app(settings)
+    except ProviderConfigError as e:
+        raise SystemExit(f"atdp serve: {e}") from None
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=30)
     return 0
