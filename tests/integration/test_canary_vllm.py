@@ -89,7 +89,7 @@ def _status(proxy, name: str) -> dict:
     return httpx.get(f"{proxy.url}/atdp/v1/versions/{name}", headers=ADMIN, timeout=30).json()
 
 
-def _settled(proxy, name: str, rewarded: int, timeout: float = 60.0) -> str:
+def _settled(proxy, name: str, rewarded: int, timeout: float = 300.0) -> str:
     """Wait until the monitor has checked the test after the latest reward (the gate shows it), or has
     decided; returns the status. So no session of the loop starts while a decision is on its way."""
     deadline = time.monotonic() + timeout
@@ -97,8 +97,9 @@ def _settled(proxy, name: str, rewarded: int, timeout: float = 60.0) -> str:
         detail = _status(proxy, name)
         gate = next((g for g in detail["gates"] if g["gate"] == "canary"), None)
         seen = (gate or {}).get("numbers", {}).get("observations", 0)
-        if detail["status"] != "canary" or seen >= rewarded or time.monotonic() > deadline:
+        if detail["status"] != "canary" or (seen >= rewarded and proxy.state.canary.active is not None):
             return detail["status"]
+        assert time.monotonic() < deadline, f"the monitor did not check after reward {rewarded}: {detail}"
         time.sleep(0.1)
 
 
@@ -135,7 +136,8 @@ def test_good_candidate_canaries_on_its_share_sticky_and_is_promoted(start_proxy
         detail = _status(proxy, "good")
         gate = next(g for g in detail["gates"] if g["gate"] == "canary")
         numbers = gate["numbers"]
-        print(f"promoted after {n} sessions:", numbers["difference"]["reward"], numbers["arms"])
+        print(f"promoted after {n} sessions (decided at reward {numbers['decided_at_observation']}, promotion "
+              f"{numbers['promotion']}):", numbers["difference"]["reward"], numbers["arms"])
         assert detail["status"] == "serving" and gate["state"] == "passed", detail
         assert numbers["verdict"] == "promote" and numbers["promotion"]["ok"]
 
