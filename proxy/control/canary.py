@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -69,7 +70,7 @@ async def begin(state: AppState, versions: Versions, target: VersionRef, *, acto
     if settings.canary_fraction <= 0 and not tenants:
         return None
     margins = margins_of(state)
-    plan = {"fraction": settings.canary_fraction, "tenants": tenants, "margins": margins.__dict__}
+    plan = {"fraction": settings.canary_fraction, "tenants": tenants, "margins": asdict(margins)}
     k = settings.canary_replicas
     if len(pool.replicas) <= k:
         reason = (f"a canary needs more replicas than its group of {k} (there are {len(pool.replicas)}): "
@@ -91,7 +92,7 @@ async def begin(state: AppState, versions: Versions, target: VersionRef, *, acto
 
     def record(s: Session) -> CanaryRef:
         ref = start_canary(s, version_id=target.id, serving_id=serving.id, fraction=settings.canary_fraction,
-                           tenants=tenants, replicas=labels, margins=margins.__dict__)
+                           tenants=tenants, replicas=labels, margins=asdict(margins))
         set_status(s, target.id, VersionStatus.canary)
         set_gate(s, target.id, CANARY_GATE, GateState.running, {**plan, "replicas": labels, "serving": serving.name})
         s.add(t.AuditEvent(actor=actor, action="version.canary", target=target.id,
@@ -178,7 +179,7 @@ def evaluate(s: Session, state: AppState, ref: CanaryRef) -> tuple[str, list[str
         arms[arm]["tool_failure_rate"] = _rate(tools, arm)
     numbers = {
         "candidate": ref.candidate, "serving": ref.serving, "fraction": ref.fraction, "tenants": list(ref.tenants),
-        "replicas": list(ref.replicas), "margins": margins.__dict__, "observations": len(rewards),
+        "replicas": list(ref.replicas), "margins": asdict(margins), "observations": len(rewards),
         "reward_scale": "each tenant's [reward_min, reward_max] mapped to [0, 1]",
         "arms": arms, "difference": {"reward": d.reward.as_dict(), "error_rate": d.errors.as_dict(),
                                      "tool_failure_rate": d.tool_failures.as_dict()},
