@@ -48,14 +48,22 @@ def version_card(s: Session, key: str) -> dict[str, Any] | None:
         "gates": row["gates"],
         "affected": _affected(row["affected_sessions"], row["canary_sessions"], row["canary_decision"]),
         "rollback": {
-            "possible": served and restores is not None,
+            "possible": served and (restores is not None or row["status"] == VersionStatus.canary),
             "command": ROLLBACK_COMMAND.format(id=v.id) if served else None,
             "restores": restores,
-            "note": (f"swaps every replica back to {restores} and marks {v.name} rolled_back" if served and restores
-                     else f"{v.name} is {row['status']}: only the serving version can be rolled back"
-                     if not served else f"{v.name} has no earlier serving version to restore"),
+            "note": _rollback_note(v.name, row["status"], served, restores),
         },
     }
+
+
+def _rollback_note(name: str, status: str, served: bool, restores: str | None) -> str:
+    if status == VersionStatus.canary:
+        return f"ends the canary: its replica group loads the serving version again and {name} is rolled_back"
+    if not served:
+        return f"{name} is {status}: only the serving version can be rolled back"
+    if restores is None:
+        return f"{name} has no earlier serving version to restore"
+    return f"swaps every replica back to {restores} and marks {name} rolled_back"
 
 
 def _affected(total: dict[str, int], canary: dict[str, int], decision: str | None) -> dict[str, Any]:

@@ -120,6 +120,9 @@ def test_named_tenant_goes_to_the_candidate_and_operator_rollback_ends_the_canar
             _call(proxy, f"s{i}")
         proxy.flush()
         assert set(_arms(factory, vid).values()) == {"candidate"}
+        card = httpx.get(proxy.url + "/atdp/v1/versions/c2/card", headers=ADMIN).json()
+        assert card["rollback"]["possible"] and card["rollback"]["note"].startswith("ends the canary")
+        assert card["affected"]["canary"] == {"tenants": {"t-acme": 6}, "sessions": 6, "decision": None}
         assert all(_served(proxy, factory, f"s{i}") == {"c2"} for i in range(6))
         # While the canary runs: no override, no rollback of the serving version.
         assert _post(proxy, {"checkpoint": "/ckpt/other", "name": "other", "promote": "now"}).status_code == 409
