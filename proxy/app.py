@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proxy import openapi, providers, telemetry
 from proxy.config import Settings
 from proxy.console import routes as console
-from proxy.control import admin, diagnosis, feedback, gates, overview, sessions, versions
+from proxy.control import admin, canary, diagnosis, feedback, gates, overview, sessions, versions
 from proxy.control.swap import Versions
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
@@ -106,6 +106,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             threading.Thread(target=_connect_database, args=(state, swaps), name="atdp-db-connect",
                              daemon=True).start()
             tasks.append(asyncio.create_task(_refresh_keys(state)))
+            tasks.append(asyncio.create_task(canary.resume(state, swaps)))
             tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
         if settings.retention_interval_s > 0:
             tasks.append(asyncio.create_task(admin.retention_loop(state, settings.retention_interval_s)))
@@ -117,6 +118,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             state.stopping.set()
             for task in tasks:
                 task.cancel()
+            if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.control.canary)
+                swaps.canary_task.cancel()
             await state.client.aclose()
             await state.http.close()
             await asyncio.to_thread(store.flush)  # stored responses go to the writer before it drains
@@ -260,6 +263,7 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             engine = db.make_engine(url)
             state.engine = engine
             state.factory = db.session_factory(engine)
+            state.canary.factory = state.factory
             state.recorder.connect(url, state.factory)
             state.load_keys()
             _warm_index(state)

@@ -169,7 +169,10 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
         call.lease, call.version, call.upstream_url = lease, lease.version, replica.label
         return resp
 
-    return await failover(state.pool, call.session.external_id, attempt)
+    # A canary running (gate 3): the session's arm decides which replicas may serve it.
+    route = await state.canary.route(call.principal.tenant, call.session.external_id,
+                                     continues=call.continuation.history_len > 0)
+    return await failover(state.pool, call.session.external_id, attempt, route.replicas if route else None)
 
 
 async def _post(http: aiohttp.ClientSession, url: str, content: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:

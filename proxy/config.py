@@ -133,6 +133,19 @@ class Settings(BaseSettings):
     eval_max_cases: int = Field(default=256, ge=1)
     eval_max_tokens: int = Field(default=128, ge=1)
     eval_concurrency: int = Field(default=4, ge=1)  # cases in flight at once (1: each alone, fully repeatable)
+    # Gate 3, the canary (docs/control-plane.md). Off (fraction 0, no tenants; the default): a candidate
+    # whose gates pass serves every replica at once. On: `canary_replicas` replicas serve it to that
+    # share of new sessions (sticky) until the sequential test promotes it or rolls it back. Margins
+    # are in reward units after rescaling [canary_reward_min, canary_reward_max] to [0, 1].
+    canary_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    canary_tenants: str = ""  # comma-separated: tenants whose new sessions all go to the candidate
+    canary_replicas: int = Field(default=1, ge=1)  # replicas that serve the candidate (fewer than all)
+    canary_alpha: float = Field(default=0.05, gt=0.0, lt=1.0)
+    canary_promote_margin: float = Field(default=0.05, ge=0.0)  # promote: shown worse by at most this
+    canary_reward_drop: float = Field(default=0.0, ge=0.0)  # roll back: a drop larger than this shown
+    canary_error_rise: float = Field(default=0.02, ge=0.0)  # roll back: an error-rate rise larger than this
+    canary_tool_failure_rise: float = Field(default=0.05, ge=0.0)  # ... or a tool-failure-rate rise
+    canary_check_s: float = Field(default=2.0, gt=0.0)  # the monitor also wakes on every reward posted
     session_ttl_s: float = 24 * 3600.0
     otel_exporter: str = "none"  # none | console | otlp
     redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use

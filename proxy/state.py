@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from proxy import telemetry
 from proxy.auth import Principal, active_keys, hash_key, key_from_headers, lookup_key_hash
+from proxy.canary import CanaryRouter
 from proxy.config import Settings
 from proxy.errors import ApiError
 from proxy.governance.policies import Policies
@@ -44,6 +45,7 @@ class AppState:
     keys: dict[str, Principal] = field(default_factory=dict)  # sha256(key) -> principal
     misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
     stopping: threading.Event = field(default_factory=threading.Event)  # set when the app shuts down
+    canary: CanaryRouter = field(default_factory=CanaryRouter)  # gate 3's routing; its factory is set on connect
 
     async def authenticate(self, request: Request, *, admin: bool = False) -> Principal:
         key = key_from_headers(request.headers)

@@ -176,14 +176,26 @@ class ReplicaPool:
             replica._open.set()
 
 
-async def failover(pool: ReplicaPool, key: str, attempt: Callable[[Replica], Awaitable[T]]) -> T:
+async def failover(pool: ReplicaPool, key: str, attempt: Callable[[Replica], Awaitable[T]],
+                   group: frozenset[str] | None = None) -> T:
     """`attempt` on the preferred replica for `key`, then on the next while one raises ReplicaFailed.
 
+    `group` (public labels; a canary's arm, proxy.canary) restricts the call to those replicas first;
+    only when every one of them failed does it go to the others (the step then records the version
+    that really served it: availability over stickiness).
     Raises UpstreamError (the last failure's status, 503 when no replica is configured or open).
     """
-    tried: set[str] = set()
+    outside = {r.url for r in pool.replicas if r.label not in group} if group else set()
+    tried: set[str] = set(outside)
     last, status = "no upstream replica configured", 503
-    while (replica := pool.pick_open(key, tried)) is not None:
+    while True:
+        replica = pool.pick_open(key, tried)
+        if replica is None and outside:  # the group is exhausted: the others, as a last resort
+            tried -= outside
+            outside = set()
+            replica = pool.pick_open(key, tried)
+        if replica is None:
+            break
         tried.add(replica.url)
         try:
             return await attempt(replica)

@@ -81,7 +81,10 @@ def _feedback_route(state: AppState) -> Endpoint:
                 # A concurrent post with the same idempotency key won the race: answer as a replay.
                 return await run_db(state, lambda s: create_feedback(s, state.policies, principal, external_id, tenant, fb))
 
-        return json_response(await once_durable(state, external_id, fb.step_id, create))
+        body = await once_durable(state, external_id, fb.step_id, create)
+        if fb.reward is not None:
+            state.canary.nudge()  # a running canary checks its sequential test now (gate 3)
+        return json_response(body)
 
     return post_feedback
 

@@ -1,7 +1,7 @@
 """A candidate's gates, run in the background after `POST /atdp/v1/versions`, then its promotion.
 
-candidate -> evaluating -> (gates) -> serving, or -> rejected. There is no canary yet: a candidate
-whose gates pass is promoted to every replica directly (the same swap as always).
+candidate -> evaluating -> (gates) -> canary (proxy.control.canary, when it is on) or serving, or ->
+rejected. With the canary off a candidate whose gates pass is promoted to every replica directly.
 
 Gate 1, replay evaluation (`replay_eval`): the evaluation set (proxy.evaluation.cases: operator suites
 and the tenants' held-out sessions) is replayed greedily (temperature 0) on one replica, first with
@@ -39,6 +39,8 @@ import httpx
 from sqlalchemy import select
 
 from atdp_schema.models import GateState, VersionStatus
+from proxy.control.canary import begin as begin_canary
+from proxy.control.canary import wait_for_canary
 from proxy.control.swap import Versions, load_weights
 from proxy.evaluation import safety
 from proxy.evaluation.cases import Answer, EvalCase, EvalSet, SuiteError, add_held_out, load_suites
@@ -84,6 +86,7 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
             set_gate(s, target.id, gate, GateState.pending)
 
     await run_db(state, queue)
+    await wait_for_canary(versions)  # one canary at a time: a running one is decided first
     async with versions.lock:
         def begin(s) -> None:
             for gate in GATES:
@@ -116,7 +119,10 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
             await run_db(state, lambda s: mark_rejected(s, target.id, reasons, actor="gate:" + ",".join(blocking)))
             log.warning("version %s rejected: %s", target.name, "; ".join(reasons))
             return None
-        # Passed (or nothing to evaluate on): no canary yet, so straight to serving.
+        # Passed (or nothing to evaluate on): the canary (gate 3), when it is on; else every replica now.
+        canary = await begin_canary(state, versions, target, actor=actor)
+        if canary is not None:
+            return canary
         outcome = await versions.swap(target)
         await run_db(state, lambda s: record_swap(s, target, outcome, actor=actor, left_status=VersionStatus.retired,
                                                   candidate=True))

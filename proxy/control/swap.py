@@ -28,6 +28,7 @@ from proxy.errors import ApiError
 from proxy.governance.tokens import find_tokenizer
 from proxy.state import AppState
 from proxy.store import tables as t
+from proxy.store.canary import active_canary
 from proxy.store.ids import new_id
 from proxy.store.versions import BASE_NAME, VersionRef, serving_version
 from proxy.upstream import Replica, redact_url_text
@@ -73,6 +74,7 @@ class Versions:
         self.drain_timeout_s = state.settings.swap_drain_timeout_s
         self.load_timeout_s = state.settings.swap_load_timeout_s
         self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
+        self.canary_task: asyncio.Task | None = None  # the running canary's monitor (proxy.control.canary)
 
     def start_gates(self, target: VersionRef, run: Callable[[], Coroutine[Any, Any, dict[str, Any] | None]]
                     ) -> asyncio.Task:
@@ -103,32 +105,40 @@ class Versions:
         with state.factory() as s, s.begin():
             row = serving_version(s)
             ref = VersionRef(row.id, row.name, row.checkpoint) if row else None
+            canary = active_canary(s)
         roots = {r.url: _root(r.url, state.pool.auth_headers) for r in state.pool.replicas}
         if ref is None:
             root = next((x for x in roots.values() if x), None)
             if root is None:
                 raise SwapError("no replica answered GET /v1/models: cannot name the base checkpoint")
             ref = self._register_base(root)
+        # A canary that was running when the proxy stopped goes on: its group still holds the
+        # candidate's weights (gate 3, proxy.control.canary resumes its monitor).
+        in_canary = set(canary.replicas) if canary else set()
         for replica in state.pool.replicas:
-            replica.version = ref.name
+            replica.version = canary.candidate if replica.label in in_canary else ref.name
         self.current = ref
+        if canary is not None:
+            state.canary.activate(canary, [r.label for r in state.pool.replicas])
+            log.info("canary of %s resumed on %s", canary.candidate, ", ".join(canary.replicas))
         for replica in state.pool.replicas:
             headers = state.pool.auth_headers
             try:
                 reported = httpx.get(replica.url + "/weight_info", headers=headers, timeout=5.0).json()
                 reported = reported.get("weight_version")
                 fresh_base = reported == "default" and roots.get(replica.url) == ref.checkpoint
-                if reported != ref.name and not fresh_base and self._left_by_gates(reported):
+                if reported != replica.version and not fresh_base and replica.label not in in_canary \
+                        and self._left_by_gates(reported):
                     # A proxy stopped while a candidate's weights were loaded for its gates: the
                     # serving weights go back before any call is stamped with the serving version.
                     log.warning("replica %s still holds candidate %r (a gate was interrupted): loading %s again",
                                 replica.label, reported, ref.name)
                     asyncio.run(self._load_now(replica, ref))
-                elif reported != ref.name and not fresh_base:
-                    log.warning("replica %s reports weight version %r but the serving version is %r (%s); "
-                                "its tokens are stamped %r", replica.label, reported, ref.name, ref.checkpoint, ref.name)
-                httpx.post(replica.url + "/update_weight_version", json={"new_version": ref.name}, headers=headers,
-                           timeout=5.0).raise_for_status()
+                elif reported != replica.version and not fresh_base:
+                    log.warning("replica %s reports weight version %r but it serves %r; its tokens are stamped %r",
+                                replica.label, reported, replica.version, replica.version)
+                httpx.post(replica.url + "/update_weight_version", json={"new_version": replica.version},
+                           headers=headers, timeout=5.0).raise_for_status()
             except Exception as e:
                 log.warning("could not sync the weight version of %s: %s: %s", replica.label, type(e).__name__,
                             redact_url_text(str(e)))
@@ -186,20 +196,23 @@ class Versions:
 
     # --- swaps ----------------------------------------------------------------------------------
 
-    async def swap(self, target: VersionRef) -> dict[str, Any]:
-        """Swap every replica to `target`, one at a time; on any failure restore the previous version
-        everywhere. Returns {"ok", "error", "seconds", "replicas": [...]}; the caller records statuses."""
+    async def swap(self, target: VersionRef, replicas: list[Replica] | None = None, *,
+                   previous: VersionRef | None = None, becomes_current: bool = True) -> dict[str, Any]:
+        """Swap every replica (or `replicas`, a canary's group) to `target`, one at a time; on any
+        failure restore `previous` (default: the serving version) on each replica touched. Returns
+        {"ok", "error", "seconds", "replicas": [...]}; the caller records statuses. `becomes_current`:
+        `target` is then the serving version (not for a canary's group)."""
         state = self.state
         pool, client, headers = state.pool, state.client, state.pool.auth_headers
         assert client is not None, "the app is not started"
-        previous = self.current
+        previous = previous or self.current
         if previous is None:
             raise ApiError(503, "the serving version is not known yet; try again shortly")
         t0 = time.perf_counter()
         done: list[Replica] = []
         timings: list[dict[str, Any]] = []
         try:
-            for replica in pool.replicas:
+            for replica in pool.replicas if replicas is None else replicas:
                 t_gate = time.perf_counter()
                 async with pool.swapping(replica, self.drain_timeout_s):
                     t_load = time.perf_counter()
@@ -224,10 +237,12 @@ class Versions:
             log.error("swap to %s failed (%s); %s serves on every replica", target.name, error, previous.name)
             return {"ok": False, "error": error, "seconds": time.perf_counter() - t0, "replicas": timings}
         seconds = time.perf_counter() - t0
-        self.current = target
+        if becomes_current:
+            self.current = target
         telemetry.SWAPS.labels("ok").inc()
         telemetry.SWAP_SECONDS.observe(seconds)
-        log.info("now serving %s on %d replica(s) (%.3f s)", target.name, len(done), seconds)
+        log.info("%s %s on %d replica(s) (%.3f s)", "now serving" if becomes_current else "loaded", target.name,
+                 len(done), seconds)
         return {"ok": True, "error": None, "seconds": seconds, "replicas": timings}
 
     async def restore(self, replica: Replica, previous: VersionRef) -> None:

@@ -4,15 +4,16 @@ Routes (admin key):
 - `GET /atdp/v1/versions`: every version, newest first, and what each replica serves now.
 - `POST /atdp/v1/versions` `{"checkpoint": DIR, "name"?, "parent"?, "promote"?: "now", "reason"?,
   "wait"?: bool}`: registers the checkpoint as a `candidate` (or finds it by name) and starts its gates
-  in the background (proxy.control.gates): 202 with the version; gates passed -> `serving` (no canary
-  yet), failed -> `rejected`. `"wait": true` answers when the gates (and the swap) are done.
+  in the background (proxy.control.gates): 202 with the version; gates passed -> `canary` (when the
+  canary is on; then `serving` or `rolled_back`) or `serving`, failed -> `rejected`. `"wait": true` answers when the gates (and the swap) are done.
   `"promote": "now"` is the operator override: audited (`version.promote_override`: who, when, why),
   shown on the card, and swaps at once as before the gates existed; also how a retired version is
   served again.
 - `GET /atdp/v1/versions/{id}` (id or name): status, every gate's state and numbers, the override.
 - `GET /atdp/v1/versions/{id}/card`: the version card (proxy.store.cards).
 - `POST /atdp/v1/versions/{id}/rollback`: the serving version is left (`rolled_back`) and the one
-  that served before it is restored (`serving`), by the same swap.
+  that served before it is restored (`serving`), by the same swap. On a version in `canary`, ends
+  its canary: its replica group gets the serving weights back (proxy.control.canary).
 
 The swap itself (gate, drain, reload, restore on failure) is `proxy.control.swap`; the version rows
 it moves are `proxy.store.versions`.
@@ -37,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from atdp_schema.models import VersionStatus
+from proxy.control.canary import rollback_now
 from proxy.control.gates import run_gates
 from proxy.control.swap import Versions
 from proxy.errors import ApiError
@@ -82,6 +84,7 @@ def _list_route(state: AppState, versions: Versions) -> Endpoint:
         return json_response({
             "data": rows,
             "serving": versions.current.name if versions.current else None,
+            "canary": state.canary.active.candidate if state.canary.active else None,
             "replicas": [{"url": r.label, "version": r.version, "open": r.is_open, "alive": r.alive}
                          for r in state.pool.replicas],
         })
@@ -122,6 +125,9 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
         await versions.wait_ready()
         checkpoint, name, parent = body["checkpoint"], body.get("name"), body.get("parent")
         override = body.get("promote") == "now"
+        if override and (running := state.canary.active) is not None:  # before anything is registered
+            raise ApiError(409, f"a canary of '{running.candidate}' is running; roll it back "
+                                f"(POST /atdp/v1/versions/{running.candidate}/rollback) or wait for its decision")
 
         def register(s: Session) -> tuple[VersionRef, str]:
             row = find_version(s, name) if name else None
@@ -214,6 +220,16 @@ def _rollback_route(state: AppState, versions: Versions) -> Endpoint:
         principal = await state.authenticate(request, admin=True)
         await versions.wait_ready()
         key = path_id(request, "version_id")
+        row = await run_db(state, lambda s: find_version(s, key))
+        if row is not None and row.status == VersionStatus.canary:  # ends the canary (gate 3)
+            outcome = await rollback_now(state, versions, row.id, actor=principal.actor)
+            if outcome is None:
+                raise ApiError(409, f"version '{row.name}' is canary but its canary is not running on this proxy")
+            detail = await run_db(state, lambda s: version_detail(s, row.id))
+            detail["swap"] = {k: outcome.get(k) for k in ("ok", "error", "seconds", "replicas")}
+            return json_response(detail, 200 if outcome["ok"] else 502)
+        if (running := state.canary.active) is not None:
+            raise ApiError(409, f"a canary of '{running.candidate}' is running; roll it back first")
 
         def plan(s: Session) -> tuple[str, VersionRef]:
             row = find_version(s, key)

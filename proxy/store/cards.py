@@ -46,17 +46,33 @@ def version_card(s: Session, key: str) -> dict[str, Any] | None:
         },
         "why": {"trigger": row["why"], "override": override},
         "gates": row["gates"],
-        "affected": {"tenants": row["affected_sessions"],
-                     "sessions": sum(row["affected_sessions"].values())},
+        "affected": _affected(row["affected_sessions"], row["canary_sessions"], row["canary_decision"]),
         "rollback": {
-            "possible": served and restores is not None,
+            "possible": served and (restores is not None or row["status"] == VersionStatus.canary),
             "command": ROLLBACK_COMMAND.format(id=v.id) if served else None,
             "restores": restores,
-            "note": (f"swaps every replica back to {restores} and marks {v.name} rolled_back" if served and restores
-                     else f"{v.name} is {row['status']}: only the serving version can be rolled back"
-                     if not served else f"{v.name} has no earlier serving version to restore"),
+            "note": _rollback_note(v.name, row["status"], served, restores),
         },
     }
+
+
+def _rollback_note(name: str, status: str, served: bool, restores: str | None) -> str:
+    if status == VersionStatus.canary:
+        return f"ends the canary: its replica group loads the serving version again and {name} is rolled_back"
+    if not served:
+        return f"{name} is {status}: only the serving version can be rolled back"
+    if restores is None:
+        return f"{name} has no earlier serving version to restore"
+    return f"swaps every replica back to {restores} and marks {name} rolled_back"
+
+
+def _affected(total: dict[str, int], canary: dict[str, int], decision: str | None) -> dict[str, Any]:
+    """Sessions per tenant the version served: all, during its canary (its arm of new sessions), and
+    the rest (`full`: once it served every replica, or before canaries existed)."""
+    full = {tenant: n - canary.get(tenant, 0) for tenant, n in total.items() if n - canary.get(tenant, 0) > 0}
+    return {"tenants": total, "sessions": sum(total.values()),
+            "canary": {"tenants": canary, "sessions": sum(canary.values()), "decision": decision},
+            "full": {"tenants": full, "sessions": sum(full.values())}}
 
 
 def _iso(value: Any) -> str | None:
@@ -101,11 +117,29 @@ def card_markdown(card: dict[str, Any]) -> str:
                 lines.append(f"  - {tenant}: n={c['n']}, difference {c['diff_mean']:+.3f} "
                              f"[{c['ci_low']:+.3f}, {c['ci_high']:+.3f}], max_regression {n['max_regression'][tenant]}")
             lines += [f"  - {reason}" for reason in n.get("reasons", [])]
+        elif "arms" in n:  # the canary (gate 3)
+            lines.append(f"  - {n['candidate']} vs {n['serving']}: {n['fraction']:.0%} of new sessions"
+                         + (f", tenants {', '.join(n['tenants'])}" if n["tenants"] else "")
+                         + f" on {', '.join(n['replicas'])}; {n['observations']} rewarded sessions; verdict {n['verdict']}")
+            for arm in ("candidate", "serving"):
+                a = n["arms"].get(arm) or {}
+                r = a.get("reward") or {}
+                lines.append(f"  - {arm}: {a.get('sessions', 0)} sessions, reward {r.get('mean')} [{r.get('low')}, "
+                             f"{r.get('high')}] (n={r.get('n', 0)}), error rate {a.get('error_rate')}, tool failures "
+                             f"{a.get('tool_failure_rate')}, p99 {a.get('p99_ms')} ms, {a.get('tokens_per_session')} "
+                             f"tokens/session, served by {_inline(a.get('served_by') or {})}")
+            d = n["difference"]["reward"]
+            lines.append(f"  - reward difference {d['diff']} in [{d['low']}, {d['high']}] (time-uniform, alpha "
+                         f"{n['margins']['alpha']}); margins {_inline(n['margins'])}")
+            lines += [f"  - {reason}" for reason in n.get("reasons", [])]
         elif n:
             lines.append(f"  - {_inline(n)}")
     if not card["gates"]:
         lines.append("- none (registered before gates, or the base version)")
-    lines += ["", "## Affected", "", f"- {card['affected']['sessions']} sessions: {_inline(card['affected']['tenants'])}",
+    af = card["affected"]
+    lines += ["", "## Affected", "", f"- {af['sessions']} sessions: {_inline(af['tenants'])}",
+              f"- canary: {af['canary']['sessions']} sessions ({_inline(af['canary']['tenants'])}), decision "
+              f"{af['canary']['decision'] or '-'}; full: {af['full']['sessions']} sessions ({_inline(af['full']['tenants'])})",
               "", "## Rollback", "", f"- {rb['note']}"]
     if rb["command"]:
         lines.append(f"- `{rb['command']}`")

@@ -237,6 +237,33 @@ class VersionGate(Base):
     finished_at: Mapped[datetime | None]
 
 
+class Canary(Base):
+    """Gate 3: one canary of a candidate against the version serving when it began (migration 0006)."""
+
+    __tablename__ = "canaries"
+    version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True)
+    serving_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"))
+    fraction: Mapped[float] = mapped_column(Float)  # share of new sessions assigned to the candidate
+    tenants: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))  # tenants wholly in the canary
+    replicas: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))  # public labels serving it
+    margins: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    started_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    decided_at: Mapped[datetime | None]
+    decision: Mapped[str | None] = mapped_column(String(16))  # promoted | rolled_back | aborted
+    numbers: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+
+
+class CanarySession(Base):
+    """A session that started during a canary, and the arm it was assigned to (sticky)."""
+
+    __tablename__ = "canary_sessions"
+    version_id: Mapped[str] = mapped_column(ForeignKey("canaries.version_id", ondelete="CASCADE"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(256), primary_key=True)  # the public (external) id
+    arm: Mapped[str] = mapped_column(String(16))  # candidate | serving
+    assigned_at: Mapped[datetime] = mapped_column(server_default=NOW)
+
+
 class TrainingRun(Base):
     __tablename__ = "training_runs"
     id: Mapped[str] = mapped_column(String(36), primary_key=True)

@@ -142,7 +142,9 @@ def test_trainer_version_passes_the_replay_gate_and_its_card_tells_its_story(
     assert ch["training"]["swap_seconds"] > 0  # the promotion's swap, reported back to the trainer
     assert card["why"] == {"trigger": "trainer schedule", "override": None}
     assert [g["state"] for g in card["gates"]] == ["passed", "passed"]
-    assert card["affected"] == {"tenants": {proxy.tenant: 1}, "sessions": 1}
+    assert card["affected"] == {"tenants": {proxy.tenant: 1}, "sessions": 1,
+                                "canary": {"tenants": {}, "sessions": 0, "decision": None},
+                                "full": {"tenants": {proxy.tenant: 1}, "sessions": 1}}
     rb = card["rollback"]
     assert rb["possible"] and rb["restores"] == "base" and detail["id"] in rb["command"]
 
