@@ -1,7 +1,7 @@
 """console: keyset pagination indexes for the session listing
 
 Revision ID: 0007
-Revises: 0003
+Revises: 0006
 The session listing (`GET /atdp/v1/sessions`, the console's sessions page) pages newest first by
 `(started_at, id)`; for every tenant (the admin key) and for one tenant. These indexes let each page
 read only its own rows in order, whatever the size of the store: `(started_at, id)` for the admin's
