@@ -124,4 +124,5 @@ def db_error_reason(e: BaseException) -> str:
     the server's address; none of that may reach logs or dead-letter files."""
     orig = getattr(e, "orig", None) or e
     state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    return f"{type(orig).__name__}" + (f" (SQLSTATE {state})" if state else "")
+    kind = type(orig).__name__ if orig is e else f"{type(e).__name__}: {type(orig).__name__}"  # DataError: StringData...
+    return kind + (f" (SQLSTATE {state})" if state else "")

@@ -188,7 +188,7 @@ def test_a_dead_letters_reason_never_quotes_the_row(start_proxy, fake_upstream, 
     record.session.replay_of = mark  # no such session: a foreign-key refusal that quotes the value
     set_aside(proxy, record)
     (letter,) = [d for d in deadletters.read(proxy.state.settings.spool_dir) if d.session == "dl-quoted"]
-    assert letter.reason == "ForeignKeyViolation (SQLSTATE 23503)"
+    assert letter.reason == "IntegrityError: ForeignKeyViolation (SQLSTATE 23503)"
     raw = b"".join(p.read_bytes() for p in deadletters.folder(proxy.state.settings.spool_dir).iterdir())
     assert raw.count(mark.encode()) == 1  # only the record's own (redacted-form) field, not the reason
     assert mark not in caplog.text
