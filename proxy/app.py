@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy import openapi, providers, telemetry
+from proxy import logs, openapi, providers, telemetry
 from proxy.config import Settings
 from proxy.console import routes as console
 from proxy.control import admin, canary, diagnosis, feedback, gates, overview, sessions, versions
@@ -69,6 +69,7 @@ async def _warm_up_providers() -> None:
 
 
 def create_app(settings: Settings, *, redactor: TextRedactor | None = None, connect_db: bool = True) -> FastAPI:
+    logs.install()  # no credentials in HTTP clients' log lines, however the process set up logging
     policies = Policies.from_settings(settings)
     recorder: Recorder | WriterProcess
     if redactor is None and settings.writer_mode == "process":
@@ -85,7 +86,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         policies=policies,
         pool=ReplicaPool(settings.upstream_urls, hold_timeout_s=settings.swap_hold_timeout_s,
                          api_key=settings.upstream_api_key),
-        index=ContinuationIndex(ttl_s=settings.session_ttl_s),
+        index=ContinuationIndex(ttl_s=settings.session_ttl_s, retry_window_s=settings.retry_window_s),
         recorder=recorder,
         redactor=own_redactor,
         tracer=telemetry.Tracer(settings.otel_exporter),

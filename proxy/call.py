@@ -26,7 +26,7 @@ from proxy.auth import Principal
 from proxy.errors import ApiError
 from proxy.providers import ProviderResponse, ProviderRoute
 from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras
-from proxy.sessions import Continuation, SessionRef, StepLink, match_key, prefix_hashes, resolve
+from proxy.sessions import Continuation, SessionRef, StepLink, body_hash, match_key, prefix_hashes, resolve
 from proxy.state import AppState
 from proxy.store.ids import new_id
 from proxy.translate import TranslationError
@@ -57,6 +57,7 @@ class Call:
     session: SessionRef
     continuation: Continuation
     hashes: list[str]
+    body_hash: str  # the request body's fingerprint: a later identical call is a retry (sessions.py)
     native_messages: list[Any]
     system: Any
     tools: Any
@@ -101,12 +102,13 @@ def begin(state: AppState, request: Request, principal: Principal, *, api: str, 
     t0 = time.perf_counter()
     keys = [match_key(m) for m in messages]
     hashes = prefix_hashes(principal.tenant, keys)
+    fingerprint = body_hash(principal.tenant, body)
     session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session, body=body,
-                            hashes=hashes, index=state.index)
+                            hashes=hashes, index=state.index, fingerprint=fingerprint)
     new = messages[cont.history_len :]
     return Call(
         state=state, principal=principal, api=api, step_id=new_id(), session=session, continuation=cont,
-        hashes=hashes, native_messages=messages, system=system, tools=tools,
+        hashes=hashes, body_hash=fingerprint, native_messages=messages, system=system, tools=tools,
         tool_results=tool_results_of(new) if tool_results_of else [], params=params or {},
         model=body.get("model"), client_info=_client_info(request.headers), started_at=datetime.now(UTC),
         t0=t0, start_ns=time.time_ns(),
@@ -225,7 +227,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         if call.hashes:
             parent = call.continuation.parent
             call.state.index.add_input(call.hashes[-1], link, parent if parent and parent.step_id else None,
-                                       call.continuation.history_len)
+                                       call.continuation.history_len, call.body_hash)
     usage = cap.usage or {}
     prompt_tokens = usage.get("prompt_tokens") or len(cap.prompt_token_ids)
     completion_tokens = usage.get("completion_tokens") or len(cap.output_token_ids)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from proxy import logs
 from proxy.demo import run as demo
 from proxy.tools import deadletters, diagnose, export, governance, replay, serve, versions
 from trainer import main as train
@@ -50,12 +51,15 @@ def cmd_keys(args) -> int:
     engine = db.make_engine(url)
     try:
         with db.transaction(db.session_factory(engine)) as s:
-            key_id, key = create_key(s, args.tenant, admin=args.admin, name=args.name)
+            key_id, key = create_key(s, args.tenant, admin=args.admin, name=args.name, scopes=args.scope)
+    except ValueError as e:
+        print(f"atdp keys create: {e}", file=sys.stderr)
+        return 2
     finally:
         engine.dispose()
     print(key)
-    print(f"key id {key_id} for tenant {args.tenant}{' (admin)' if args.admin else ''}; "
-          "the key is shown once and stored hashed", file=sys.stderr)
+    kind = " (admin)" if args.admin else f" (scoped: {', '.join(args.scope)})" if args.scope else ""
+    print(f"key id {key_id} for tenant {args.tenant}{kind}; the key is shown once and stored hashed", file=sys.stderr)
     return 0
 
 
@@ -75,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--admin", action="store_true", help="an operator key (control routes, all tenants)")
     kc.add_argument("--name")
+    kc.add_argument("--scope", action="append", choices=["versions:write"],
+                    help="a key that may do only this (repeatable); versions:write: the trainer's key, "
+                         "registers versions and nothing else")
     kc.set_defaults(func=cmd_keys)
 
     # Every command, explicitly imported above: a module that fails to import fails the CLI loudly.
@@ -88,8 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     return args.func(args) or 0
 
 

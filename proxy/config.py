@@ -100,6 +100,7 @@ class Settings(BaseSettings):
     upstream_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"], validation_alias=_env("upstream_url", "upstream_urls"))
     admin_key: str | None = None
+    trainer_key: str | None = None  # the trainer's key for the proxy: scoped to versions:write
     upstream_api_key: str | None = None  # when vLLM runs with --api-key
     host: str = "127.0.0.1"
     port: int = 8700
@@ -127,6 +128,10 @@ class Settings(BaseSettings):
     swap_hold_timeout_s: float = 60.0
     swap_drain_timeout_s: float = 120.0  # how long a swap waits for a replica's in-flight calls
     swap_load_timeout_s: float = 600.0  # how long vLLM may take to reload weights
+    # Folders `POST /atdp/v1/versions` may name checkpoints under (comma-separated); unset: the
+    # trainer's checkpoint folder, ATDP_HOME/checkpoints. Anything else is a 400: the proxy would
+    # otherwise hand any path on the engine's host to vLLM.
+    checkpoint_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # The replay gate (docs/control-plane.md): a folder of operator suites (*.jsonl), the most
     # cases one evaluation replays, the longest answer it asks for per case, and how many at once.
     eval_suites: Path | None = None
@@ -147,6 +152,8 @@ class Settings(BaseSettings):
     canary_tool_failure_rise: float = Field(default=0.05, ge=0.0)  # ... or a tool-failure-rate rise
     canary_check_s: float = Field(default=2.0, gt=0.0)  # the monitor also wakes on every reward posted
     session_ttl_s: float = 24 * 3600.0
+    # A call identical to one that ended this recently joins its session (a retry, a parallel sample).
+    retry_window_s: float = 30.0
     otel_exporter: str = "none"  # none | console | otlp
     redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use
     # process: redaction + writes in a child process; thread: in-process
@@ -208,6 +215,13 @@ class Settings(BaseSettings):
             return [str(u).strip().rstrip("/") for u in value if str(u).strip()]
         return value
 
+    @field_validator("checkpoint_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
     @field_validator("otel_exporter", "writer_mode")
     @classmethod
     def _lower(cls, value: str) -> str:
@@ -239,6 +253,10 @@ class Settings(BaseSettings):
     @property
     def checkpoints_dir(self) -> Path:
         return self.home / "checkpoints"
+
+    @property
+    def allowed_checkpoint_roots(self) -> list[Path]:
+        return list(self.checkpoint_roots) or [self.checkpoints_dir]
 
 
 def _load_secret(home: Path) -> bytes:

@@ -127,7 +127,8 @@ def _control_paths() -> dict[str, dict[str, Any]]:
         "/atdp/v1/sessions/{session_id}/close": {"post": _op("close a session", params=[sid])},
         "/atdp/v1/versions": {
             "get": _op("every model version (admin)"),
-            "post": _op("register a candidate checkpoint and run its gates; promote now skips them (admin)",
+            "post": _op("register a candidate checkpoint (under ATDP_CHECKPOINT_ROOTS) and run its gates; promote "
+                        "now skips them (admin; a versions:write key may register, not promote now)",
                         body=shapes.VersionRequest),
         },
         "/atdp/v1/versions/{version_id}": {"get": _op("a version: status, gates, override (admin)", params=[version])},

@@ -6,7 +6,11 @@ Order: `X-ATDP-Session-Id`; the `/s/{id}/v1/...` path; client-native ids (Claude
 start with an earlier step's input + output joins that step's session as its child.
 
 Continuation uses rolling hashes of normalised messages ("match keys"), so finding the parent is
-O(messages) dict lookups, in memory, never a database query on the request path.
+O(messages) dict lookups, in memory, never a database query on the request path. A call whose input
+equals an earlier call's is linked to it (a sibling: a retry, or a parallel sample) only when the
+whole request body is identical and the earlier call ended within the retry window (30 s by
+default): two independent runs that open with the same system prompt and first message are two
+sessions.
 """
 
 from __future__ import annotations
@@ -180,11 +184,13 @@ def prefix_hashes(tenant: str, keys: list[bytes], start: str | None = None) -> l
 class ContinuationIndex:
     """Recent steps by the hash of (their input + their output), bounded by size and age."""
 
-    def __init__(self, max_entries: int = 200_000, ttl_s: float = 24 * 3600.0) -> None:
+    def __init__(self, max_entries: int = 200_000, ttl_s: float = 24 * 3600.0, retry_window_s: float = 30.0) -> None:
         self._by_transcript: OrderedDict[str, tuple[StepLink, float]] = OrderedDict()
-        self._by_input: OrderedDict[str, tuple[StepLink, StepLink | None, int, float]] = OrderedDict()
+        # input hash -> (the call, its parent, history length, its body's hash, when it ended)
+        self._by_input: OrderedDict[str, tuple[StepLink, StepLink | None, int, str, float]] = OrderedDict()
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self.retry_window_s = retry_window_s
 
     def _trim(self, d: OrderedDict) -> None:
         now = time.monotonic()
@@ -196,32 +202,55 @@ class ContinuationIndex:
         self._by_transcript.move_to_end(transcript_hash)
         self._trim(self._by_transcript)
 
-    def add_input(self, input_hash: str, link: StepLink, parent: StepLink | None, history_len: int) -> None:
-        self._by_input[input_hash] = (link, parent, history_len, time.monotonic())
+    def add_input(self, input_hash: str, link: StepLink, parent: StepLink | None, history_len: int,
+                  body_hash: str = "") -> None:
+        self._by_input[input_hash] = (link, parent, history_len, body_hash, time.monotonic())
         self._by_input.move_to_end(input_hash)
         self._trim(self._by_input)
 
-    def find(self, hashes: list[str], session_id: str | None) -> Continuation:
+    def forget(self, step_ids: set[str]) -> int:
+        """Drop every entry of the forgotten steps: no later call is linked to a forgotten session."""
+        n = 0
+        for key in [k for k, v in self._by_transcript.items() if v[0].step_id in step_ids]:
+            del self._by_transcript[key]
+            n += 1
+        for key in [k for k, v in self._by_input.items()
+                    if v[0].step_id in step_ids or (v[1] is not None and v[1].step_id in step_ids)]:
+            del self._by_input[key]
+            n += 1
+        return n
+
+    def find(self, hashes: list[str], session_id: str | None, body_hash: str = "") -> Continuation:
         """The longest earlier transcript that is a strict prefix of this call's messages."""
         now = time.monotonic()
         for i in range(len(hashes) - 2, -1, -1):
             hit = self._by_transcript.get(hashes[i])
             if hit and hit[1] >= now - self.ttl_s and (session_id is None or hit[0].session_id == session_id):
                 return Continuation(parent=hit[0], history_len=i + 1)
-        if hashes:
-            # The same input again (a retry, or a parallel sample): a sibling of that step.
+        if hashes and body_hash:
+            # The same request again soon after (a retry, or a parallel sample): a sibling of that
+            # step. Same input alone is not enough: independent runs often open identically.
             hit2 = self._by_input.get(hashes[-1])
-            if hit2 and hit2[-1] >= now - self.ttl_s and (session_id is None or hit2[0].session_id == session_id):
-                link, parent, history_len, _ = hit2
+            if (hit2 and hit2[3] == body_hash and hit2[-1] >= now - self.retry_window_s
+                    and (session_id is None or hit2[0].session_id == session_id)):
+                link, parent, history_len, _, _ = hit2
                 if parent is not None:
                     return Continuation(parent=parent, history_len=history_len)
                 return Continuation(parent=StepLink(step_id="", session_id=link.session_id), history_len=0)
         return Continuation(parent=None, history_len=0)
 
 
+def body_hash(tenant: str, body: dict[str, Any]) -> str:
+    """A request body's fingerprint (per tenant), for telling a retry from a new run."""
+    import hashlib
+
+    # Key order as the client sent it: a retry re-sends the same bytes, so the same order.
+    return hashlib.sha256(tenant.encode() + b"\0" + orjson.dumps(body)).hexdigest()
+
+
 def resolve(
     *, tenant: str, headers, path_session: str | None, body: dict[str, Any], hashes: list[str],
-    index: ContinuationIndex,
+    index: ContinuationIndex, fingerprint: str = "",
 ) -> tuple[SessionRef, Continuation]:
     client = detect_client(headers)
     task_id = headers.get("x-atdp-task-id")
@@ -230,9 +259,9 @@ def resolve(
     named = explicit_session(headers, path_session, body)
     if named:
         sid, source = named
-        cont = index.find(hashes, sid)
+        cont = index.find(hashes, sid, fingerprint)
         return SessionRef(tenant, sid, source, client, task_id), cont
-    cont = index.find(hashes, None)
+    cont = index.find(hashes, None, fingerprint)
     if cont.parent is not None:
         ref = SessionRef(tenant, cont.parent.session_id, "continuation", client, task_id)
         if not cont.parent.step_id:  # sibling of a session's first step: same session, no parent

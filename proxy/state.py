@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -46,8 +47,13 @@ class AppState:
     misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
     stopping: threading.Event = field(default_factory=threading.Event)  # set when the app shuts down
     canary: CanaryRouter = field(default_factory=CanaryRouter)  # gate 3's routing; its factory is set on connect
+    # Called after a forget with (tenant, forgotten step ids, whole tenant?): caches the doors keep
+    # (the Responses door's recent conversations) drop what links to forgotten sessions.
+    forget_hooks: list[Callable[[str, set[str], bool], None]] = field(default_factory=list)
 
-    async def authenticate(self, request: Request, *, admin: bool = False) -> Principal:
+    async def authenticate(self, request: Request, *, admin: bool = False, scope: str | None = None) -> Principal:
+        """Who calls. `admin`: the route needs the admin key, or a scoped key covering `scope`;
+        a scoped key is refused everywhere else (model traffic included)."""
         key = key_from_headers(request.headers)
         s = self.settings
         if key and s.admin_key and hmac.compare_digest(key.encode(), s.admin_key.encode()):
@@ -70,7 +76,10 @@ class AppState:
             if s.open_mode and not admin:  # local use: clients send placeholder keys; they're the default tenant
                 return Principal(tenant=s.default_tenant, key_id=None)
             raise ApiError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
-        if admin and not principal.is_admin:
+        if not principal.may(scope):
+            raise ApiError(403, f"this key is scoped to {', '.join(sorted(principal.scopes or ()))}; "
+                                "it cannot be used here", type="permission_error")
+        if admin and not principal.is_admin and principal.scopes is None:
             raise ApiError(403, "this route needs the admin key", type="permission_error")
         return principal
 

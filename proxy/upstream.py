@@ -75,6 +75,7 @@ class Replica:
     inflight: int = 0
     dead_until: float = 0.0  # monotonic time before which we don't try it again
     failures: int = 0
+    draining_until: float = 0.0  # monotonic end of a swap's wait for this replica's in-flight calls
     _open: asyncio.Event = field(default_factory=asyncio.Event)
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -141,8 +142,13 @@ class ReplicaPool:
     async def acquire(self, replica: Replica) -> Lease:
         """Enter a replica's gate (waiting while it swaps) and count the call in flight."""
         if not replica.is_open:
+            # A swap first waits (up to its drain timeout) for the replica's in-flight calls, then
+            # reloads. A call held at the gate waits out that drain too, plus the hold timeout for
+            # the reload: a long call that delays the swap, or makes it give up (the gate then
+            # reopens on the old version), never fails the calls queued behind it.
+            timeout = self.hold_timeout_s + max(0.0, replica.draining_until - time.monotonic())
             try:
-                await asyncio.wait_for(replica._open.wait(), self.hold_timeout_s)
+                await asyncio.wait_for(replica._open.wait(), timeout)
             except TimeoutError:
                 raise NoReplicaAvailable(f"{replica.label} is swapping weights; held too long") from None
         replica.inflight += 1
@@ -169,8 +175,12 @@ class ReplicaPool:
     async def swapping(self, replica: Replica, drain_timeout_s: float):
         """Close the gate, wait for in-flight calls to finish, run the swap body, reopen."""
         replica._open.clear()
+        replica.draining_until = time.monotonic() + drain_timeout_s
         try:
-            await asyncio.wait_for(replica._drained.wait(), drain_timeout_s)
+            try:
+                await asyncio.wait_for(replica._drained.wait(), drain_timeout_s)
+            finally:
+                replica.draining_until = 0.0
             yield replica
         finally:
             replica._open.set()

@@ -80,7 +80,10 @@ def start_proxy(db_url, tmp_path) -> Callable[..., RunningProxy]:
         tenant = overrides.pop("tenant", None) or f"t-{uuid.uuid4().hex[:8]}"
         settings = Settings(home=home or tmp_path / f"home-{len(running)}", database_url=database_url or db_url,
                             upstream_urls=upstreams, open_mode=True, default_tenant=tenant,
-                            secret=b"test-secret", admin_key="admin-test-key", writer_mode="thread")
+                            secret=b"test-secret", admin_key="admin-test-key", writer_mode="thread",
+                            # Tests register made-up and temporary checkpoint paths; the roots' own
+                            # test (test_versions.py) narrows this.
+                            checkpoint_roots=[Path("/")])
         for k, v in overrides.items():
             setattr(settings, k, v)
         # Thread mode shares one in-process redactor across tests (fast); process mode is production's.

@@ -207,15 +207,29 @@ class LineageRow:
     advantage: float
 
 
+class LeaseLost(RuntimeError):
+    """Steps a trainer meant to complete are no longer leased to it (expired, or another owner's)."""
+
+
 def complete(s: Session, *, version_id: str, lineage: list[LineageRow], owner: str) -> None:
-    """Record which steps trained `version_id`, mark them trained and drop their leases."""
+    """Record which steps trained `version_id`, mark them trained and drop their leases.
+
+    Only steps `owner` still holds a live lease on (database clock) may be completed: a lease that
+    expired may have gone to another trainer, whose update must not be credited to this version.
+    Raises LeaseLost, having changed nothing the caller's transaction keeps (it should roll back).
+    """
+    ids = sorted({r.step_id for r in lineage})
+    if ids:
+        held = set(s.scalars(
+            update(t.Step)
+            .where(t.Step.id.in_(ids), t.Step.lease_owner == owner, t.Step.lease_expires_at >= func.now())
+            .values(trained_version_id=version_id, lease_owner=None, lease_expires_at=None)
+            .returning(t.Step.id)
+            .execution_options(synchronize_session=False)
+        ))
+        if len(held) != len(ids):
+            raise LeaseLost(f"{len(ids) - len(held)} of {len(ids)} steps are no longer leased to {owner!r} "
+                            "(expired or taken by another trainer)")
     for row in lineage:
         s.add(t.VersionLineage(version_id=version_id, step_id=row.step_id, session_id=row.session_id,
                                reward=row.reward, advantage=row.advantage))
-    ids = [r.step_id for r in lineage]
-    if ids:
-        s.execute(
-            update(t.Step)
-            .where(t.Step.id.in_(ids))
-            .values(trained_version_id=version_id, lease_owner=None, lease_expires_at=None)
-        )

@@ -53,7 +53,7 @@ WAIT_SLICE_S = 30.0  # rank 0 reports back at least this often, so other ranks' 
 class TrainConfig:
     database_url: str
     proxy_url: str
-    admin_key: str | None
+    proxy_key: str | None  # a key scoped to versions:write (ATDP_TRAINER_KEY), else the admin key
     checkpoints_dir: Path
     # cadence
     min_steps: int = 32
@@ -148,7 +148,7 @@ class Controller:
         from proxy.store.ids import new_id
 
         self.run_id = new_id()
-        config = _jsonable({k: v for k, v in asdict(self.cfg).items() if k not in ("admin_key", "database_url", "policies")})
+        config = _jsonable({k: v for k, v in asdict(self.cfg).items() if k not in ("proxy_key", "database_url", "policies")})
         with self.factory() as s, s.begin():
             s.add(t.TrainingRun(id=self.run_id, config=config, host=socket.gethostname()))
         return self.run_id
@@ -274,7 +274,7 @@ class Controller:
         else:
             self.display.phase(f"swapping to {name}")
             outcome = swap.request_swap(
-                self.factory, proxy_url=cfg.proxy_url, admin_key=cfg.admin_key, version_id=version_id, name=name,
+                self.factory, proxy_url=cfg.proxy_url, proxy_key=cfg.proxy_key, version_id=version_id, name=name,
                 checkpoint=str(out), parent=plan.version_id, timeout_s=cfg.swap_timeout_s,
             )
         metrics.update(version=name, swap_status=outcome.status, swap_seconds=outcome.seconds,

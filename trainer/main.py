@@ -9,6 +9,7 @@ torch is imported inside the command, so `atdp --help` stays instant.
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -50,6 +51,18 @@ def diagnosis_gate(when: str, settings: Settings) -> DiagnosisGate | None:
         raise SystemExit(f"atdp train: {e}") from None
 
 
+def trainer_key(settings: Settings) -> str | None:
+    """The key the trainer registers versions with: ATDP_TRAINER_KEY (scoped to versions:write),
+    else the admin key (with a warning: the trainer needs no more than registering versions)."""
+    if settings.trainer_key:
+        return settings.trainer_key
+    if settings.admin_key:
+        logging.getLogger("atdp.trainer").warning(
+            "ATDP_TRAINER_KEY is not set: registering versions with the admin key; create a scoped one with "
+            "`atdp keys create --tenant T --scope versions:write`")
+    return settings.admin_key
+
+
 def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
     """What `atdp train` runs with: its flags (defaults: the settings) and the tenant policies the
     settings name (ATDP_POLICY_FILE, ATDP_PRODUCTION), checked again when steps are loaded."""
@@ -61,7 +74,7 @@ def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
     return TrainConfig(
         database_url=database_url(settings),
         proxy_url=args.proxy_url or f"http://{settings.host}:{settings.port}",
-        admin_key=settings.admin_key,
+        proxy_key=trainer_key(settings),
         checkpoints_dir=settings.checkpoints_dir,
         min_steps=args.min_steps,
         interval_s=args.interval_s,

@@ -4,7 +4,8 @@ Order, so that the version and its lineage are consistent whatever fails:
 1. the checkpoint is written atomically (trainer.checkpoint) under ATDP_HOME/checkpoints/<name>;
 2. one transaction: a `candidate` model_versions row (parent = the version trained from), its
    version_lineage rows (step, reward, advantage), the steps' trained_version_id, leases cleared;
-3. POST /atdp/v1/versions {"checkpoint", "name", "parent", "wait": true} with the admin key: the proxy
+3. POST /atdp/v1/versions {"checkpoint", "name", "parent", "wait": true} with the trainer's key
+   (ATDP_TRAINER_KEY: `atdp keys create --scope versions:write`; else the admin key): the proxy
    runs the candidate's gates (docs/control-plane.md) and, when they pass, swaps every replica; it
    answers with the final status (`serving`; `rejected` or `failed` + error, with the steps released).
    The trainer never uses the operator override: its versions always go through the gates (which
@@ -80,7 +81,7 @@ def request_swap(
     factory,
     *,
     proxy_url: str,
-    admin_key: str | None,
+    proxy_key: str | None,
     version_id: str,
     name: str,
     checkpoint: str,
@@ -88,7 +89,7 @@ def request_swap(
     timeout_s: float,
 ) -> SwapOutcome:
     """Ask the proxy to swap every replica to the version; the proxy records the status."""
-    headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+    headers = {"authorization": f"Bearer {proxy_key}"} if proxy_key else {}
     body = {"checkpoint": checkpoint, "name": name, "parent": parent, "wait": True}
     try:
         resp = httpx.post(proxy_url.rstrip("/") + "/atdp/v1/versions", json=body, headers=headers,

@@ -1,7 +1,7 @@
 """canary assignments
 
 Revision ID: 0006
-Revises: 0003
+Revises: 0004
 Gate 3, the canary (docs/control-plane.md): `canaries` holds one row per canary (the candidate, the
 version it is compared with, the share of new sessions, the replicas that serve it, the margins, and
 its decision); `canary_sessions` holds every session that started during a canary and the arm it was
@@ -17,7 +17,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = "0006"
-down_revision: str | None = "0003"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

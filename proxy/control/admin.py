@@ -36,9 +36,17 @@ from proxy.store import tables as t
 log = logging.getLogger("atdp.admin")
 
 
-def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bool = False) -> None:
+def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bool = False,
+                  sessions: list[str] = ()) -> None:
+    """Caches and the spool let go of what was forgotten: no later call links to a forgotten
+    session, and its pending spooled records go (the tombstone refuses any that still arrive)."""
+    steps = set(report.step_ids)
+    state.index.forget(steps)
+    for hook in state.forget_hooks:
+        hook(report.tenant, steps, whole_tenant)
     state.recorder.forget(report.tenant, step_ids=report.step_ids,
-                          content_hashes=None if whole_tenant else report.content_hashes)
+                          content_hashes=None if whole_tenant else report.content_hashes,
+                          sessions=sorted({*report.external_ids, *sessions}), whole_tenant=whole_tenant)
 
 
 def _reason(request: Request) -> str | None:
@@ -97,7 +105,9 @@ def routes(state: AppState) -> list[Route]:
             raise ApiError(404, "session not found", code="session_not_found")
         if report is None:
             report = forget.Forgotten(tenant=letters[0].tenant)
-        _after_forget(state, report)
+            # Only dead letters: no session row, but its steps may still be spooled or re-sent.
+            await run_db(state, lambda s: forget.tombstone(s, report.tenant, session_id))
+        _after_forget(state, report, sessions=[session_id])
         return json_response({"forgotten": "session", "session_id": session_id, "tenant": report.tenant,
                               **report.counts(), "dead_letters": len(letters)})
 

@@ -1,6 +1,6 @@
 """Model versions: the routes that register, swap in and roll back versions.
 
-Routes (admin key):
+Routes (admin key; POST also a key scoped `versions:write`, the trainer's):
 - `GET /atdp/v1/versions`: every version, newest first, and what each replica serves now.
 - `POST /atdp/v1/versions` `{"checkpoint": DIR, "name"?, "parent"?, "promote"?: "now", "reason"?,
   "wait"?: bool}`: registers the checkpoint as a `candidate` (or finds it by name) and starts its gates
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from datetime import UTC, datetime
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -98,9 +99,24 @@ CREATE_SHAPE = ('body must be {"checkpoint": DIR, "name"?: str, "parent"?: str, 
                 '"reason"?: str, "wait"?: bool}')
 
 
+def checkpoint_problem(checkpoint: str, roots: list[Path]) -> str | None:
+    """Why `checkpoint` may not be registered, or None: it must be an absolute path that, with `..`
+    and symbolic links resolved, lies inside one of `roots` (ATDP_CHECKPOINT_ROOTS)."""
+    path = Path(checkpoint)
+    if not path.is_absolute():
+        return "must be an absolute path"
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):
+        return "cannot be resolved"
+    if not any(real.is_relative_to(root.resolve()) for root in roots):
+        return "is outside the configured checkpoint roots (ATDP_CHECKPOINT_ROOTS)"
+    return None
+
+
 def _create_route(state: AppState, versions: Versions) -> Endpoint:
     async def create(request: Request) -> Response:
-        principal = await state.authenticate(request, admin=True)
+        principal = await state.authenticate(request, admin=True, scope="versions:write")
         body = await read_json(request, 64 * 1024)
         if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str) or not body["checkpoint"]:
             raise ApiError(422, CREATE_SHAPE)
@@ -125,6 +141,8 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
         await versions.wait_ready()
         checkpoint, name, parent = body["checkpoint"], body.get("name"), body.get("parent")
         override = body.get("promote") == "now"
+        if override and not principal.is_admin:  # a scoped (trainer's) key never skips the gates
+            raise ApiError(403, "\"promote\": \"now\" needs the admin key", type="permission_error")
         if override and (running := state.canary.active) is not None:  # before anything is registered
             raise ApiError(409, f"a canary of '{running.candidate}' is running; roll it back "
                                 f"(POST /atdp/v1/versions/{running.candidate}/rollback) or wait for its decision")
@@ -142,6 +160,10 @@ def _create_route(state: AppState, versions: Versions) -> Endpoint:
                 if override and row.status != VersionStatus.serving:
                     record_override(s, row.id, actor=principal.actor, reason=body.get("reason"))
                 return VersionRef(row.id, row.name, row.checkpoint), row.status
+            # A checkpoint new to the proxy must lie under a configured root (a known version's
+            # was vetted when it was registered, or is the engine's own model).
+            if problem := checkpoint_problem(checkpoint, state.settings.allowed_checkpoint_roots):
+                raise ApiError(400, f"'checkpoint' {problem}", param="checkpoint")
             parent_row = find_version(s, parent) if parent else None
             if parent and parent_row is None:
                 raise ApiError(404, f"parent version '{parent}' not found")

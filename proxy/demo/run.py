@@ -39,6 +39,7 @@ from proxy.demo.home import (
     start_database,
     stop_database,
     tail,
+    versions_key,
     wait_until,
 )
 
@@ -168,6 +169,7 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         t = time.monotonic()
         board.phase("database: embedded PostgreSQL, fresh `atdp` database")
         url = start_database(home, fresh=True)
+        trainer_key = versions_key(url)  # the trainer registers versions with this, never the admin key
         timings["database"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -213,8 +215,9 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
 
             t = time.monotonic()
             board.phase(f"training: one update on {rewarded} rewarded sessions, then the swap")
-            child = procs.spawn(f"trainer-{round_no + 1}", trainer_command(cfg, python, proxy_url, rewarded), env,
-                                out / "trainer.log")
+            trainer_env = {k: v for k, v in env.items() if k != "ATDP_ADMIN_KEY"} | {"ATDP_TRAINER_KEY": trainer_key}
+            child = procs.spawn(f"trainer-{round_no + 1}", trainer_command(cfg, python, proxy_url, rewarded),
+                                trainer_env, out / "trainer.log")
             deadline = time.monotonic() + cfg.train_timeout_s
             while child.proc.poll() is None:
                 procs.check("vllm", "proxy")

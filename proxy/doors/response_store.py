@@ -95,6 +95,28 @@ class ResponseStore:
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, Stored] | None] = queue.Queue(queue_size)
         self._thread: threading.Thread | None = None
+        # Steps forgotten while their conversation may still wait here to be sealed: never sealed.
+        self._gone: set[str] = set()
+        self._gone_tenants: dict[str, float] = {}  # tenant -> when it was forgotten whole (monotonic)
+        state.forget_hooks.append(self.forget)
+
+    def forget(self, tenant: str, step_ids: set[str], whole_tenant: bool) -> None:
+        """A forget: drop the recent conversations of the forgotten steps (or tenant), so no later
+        `previous_response_id` continues them from memory, and never seal those still queued."""
+        with self._lock:
+            for rid in [rid for rid, st in self._recent.items()
+                        if st.tenant == tenant and (whole_tenant or st.step_id in step_ids)]:
+                del self._recent[rid]
+            if len(self._gone) > 100_000:  # queued items live seconds; old ids need not stay
+                self._gone.clear()
+            self._gone.update(step_ids)
+            if whole_tenant:
+                self._gone_tenants[tenant] = time.monotonic()
+
+    def _forgotten(self, st: Stored) -> bool:
+        with self._lock:
+            whole = self._gone_tenants.get(st.tenant)
+            return (st.step_id is not None and st.step_id in self._gone) or (whole is not None and st.kept_at <= whole)
 
     # request path: memory only
 
@@ -175,6 +197,8 @@ class ResponseStore:
 
     def _write(self, batch: list[tuple[str, Stored]]) -> None:
         for rid, st in batch:
+            if self._forgotten(st):
+                continue
             self.state.recorder.submit(SealedResponse(id=rid, tenant_id=st.tenant, step_id=st.step_id,
                                                       sealed=self.sealer.seal(st.tenant, rid, st.items),
                                                       expires_at=st.expires_at))

@@ -8,8 +8,11 @@ many of its training steps were forgotten, so "version X trained on N steps" sta
 row carries counts and ids, never content.
 
 Each function runs in the caller's transaction and returns a `Forgotten` report; callers that hold a
-`Recorder` should call `recorder.forget(tenant, step_ids=..., content_hashes=...)` afterwards so the
-writer's caches do not believe deleted contents are still stored.
+`Recorder` should call `recorder.forget(tenant, step_ids=..., content_hashes=..., sessions=...)`
+afterwards so the writer's caches do not believe deleted contents are still stored and its spool
+drops the sessions' pending records. Forgetting a session or a tenant leaves a tombstone: the
+writer drops any step of it that started before the forget, whenever it arrives, so a forget is
+final (retention does not: it removes old sessions, whose late steps cannot exist).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Forgotten:
     lineage: dict[str, int] = field(default_factory=dict)  # version id -> forgotten training steps
     step_ids: list[str] = field(default_factory=list)  # for cache invalidation; not audited
     content_hashes: list[str] = field(default_factory=list)  # candidates checked; not audited
+    external_ids: list[str] = field(default_factory=list)  # forgotten sessions' public ids (spool purge)
 
     def counts(self) -> dict[str, Any]:
         return {"sessions": self.sessions, "steps": self.steps, "tokens": self.tokens,
@@ -102,6 +106,12 @@ def _delete_orphan_contents(s: Session, tenant: str, hashes: list[str]) -> int:
     return n
 
 
+def tombstone(s: Session, tenant: str, external_id: str | None) -> None:
+    """Mark a session (None: the whole tenant) forgotten: the writer drops its steps that started
+    before now, whenever they arrive (proxy.store.write.not_forgotten)."""
+    s.add(t.Tombstone(tenant_id=tenant, external_id=external_id))
+
+
 def _audit(s: Session, actor: str, tenant: str, action: str, target: str | None, details: dict) -> None:
     s.add(t.AuditEvent(actor=actor, tenant_id=tenant, action=action, target=target, details=details))
 
@@ -115,6 +125,8 @@ def forget_session(s: Session, session_id: str, *, tenant: str | None, actor: st
     out = Forgotten(tenant=row.tenant_id)
     s.execute(select(t.Session.id).where(t.Session.id == row.id).with_for_update())
     _forget_sessions(s, row.tenant_id, [row.id], out)
+    tombstone(s, row.tenant_id, row.external_id)
+    out.external_ids.append(row.external_id)
     details = {**out.counts(), "session_id": row.id}
     if reason:
         details["reason"] = reason
@@ -126,6 +138,7 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
     """Forget all of a tenant's recorded data. Its keys and policy stay (they are configuration);
     every remaining content row of the tenant goes as well."""
     out = Forgotten(tenant=tenant)
+    tombstone(s, tenant, None)
     session_ids = list(s.scalars(select(t.Session.id).where(t.Session.tenant_id == tenant)))
     for i in range(0, len(session_ids), 500):
         _forget_sessions(s, tenant, session_ids[i : i + 500], out)

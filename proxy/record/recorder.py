@@ -28,6 +28,7 @@ from proxy.record.capture import CapturedStep
 from proxy.record.durability import InFlight, WriterHealth
 from proxy.record.prepare import Preparer, TokenPolicy
 from proxy.record.spool import Spool
+from proxy.store.db import db_error_reason
 from proxy.store.ids import new_id
 from proxy.store.write import (
     SealedResponse,
@@ -270,7 +271,9 @@ class Recorder:
         except (DataError, IntegrityError, ProgrammingError) as e:
             if len(records) == 1:
                 self.stats["rejected"] = self.stats.get("rejected", 0) + 1
-                self.spool.reject([records[0].to_json()], reason=f"{type(e).__name__}: {str(e.orig)[:300]}")
+                # PostgreSQL's message may quote the row's values: the reason is the error's type
+                # and SQLSTATE only (the record itself is the redacted one).
+                self.spool.reject([records[0].to_json()], reason=db_error_reason(e))
                 log.error("step %s refused by the database (%s); set aside in the spool's rejected/ folder",
                           records[0].id, type(e.orig).__name__)
                 return
@@ -311,6 +314,19 @@ class Recorder:
         """Redact and shape captured steps into records (safe to persist anywhere)."""
         return self.preparer.prepare(steps)
 
-    def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:
-        """Drop what memory holds of forgotten steps and contents (see Preparer.forget)."""
+    def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None,
+               sessions: list[str] = (), whole_tenant: bool = False) -> None:
+        """Drop what memory holds of forgotten steps and contents (see Preparer.forget), and the
+        spool's pending records of the forgotten sessions (or of the whole tenant)."""
         self.preparer.forget(tenant, step_ids=step_ids, content_hashes=content_hashes)
+        if sessions or whole_tenant:
+            names, steps = set(sessions), set(step_ids)
+
+            def forgotten(rec: dict) -> bool:
+                if rec.get("kind") == SealedResponse.KIND:
+                    return rec.get("tenant_id") == tenant and (whole_tenant or rec.get("step_id") in steps)
+                ref = rec.get("session") or {}
+                return ref.get("tenant_id") == tenant and (whole_tenant or ref.get("external_id") in names)
+
+            if n := self.spool.purge(forgotten):
+                log.info("forget: %d pending spool record(s) purged", n)

@@ -187,5 +187,47 @@ class Spool:
             done += len(records)
         return done
 
+    def purge(self, drop: Callable[[dict], bool]) -> int:
+        """Remove pending records `drop` selects (a forgotten session's), rewriting each closed
+        segment atomically (temp file, fsync, rename). Returns how many went. A drain racing this
+        may still replay a dropped record; the store's tombstones refuse it (proxy.store.write)."""
+        self._rotate()
+        gone = 0
+        for path in self.segments():
+            with self._lock:
+                if path == self._current:
+                    continue
+            try:
+                lines = [ln for ln in path.read_bytes().splitlines() if ln.strip()]
+            except FileNotFoundError:  # drained meanwhile
+                continue
+            keep = []
+            for ln in lines:
+                try:
+                    rec = orjson.loads(ln)
+                except orjson.JSONDecodeError:
+                    rec = None
+                if isinstance(rec, dict) and drop(rec):
+                    continue
+                keep.append(ln)  # torn lines stay for the drain to quarantine
+            if len(keep) == len(lines):
+                continue
+            gone += len(lines) - len(keep)
+            if not keep:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                continue
+            tmp = path.with_suffix(".purge")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, b"".join(ln + b"\n" for ln in keep))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        if gone:
+            _fsync_dir(self.dir)
+        return gone
+
     def close(self) -> None:
         self._rotate()

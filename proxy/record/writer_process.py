@@ -38,6 +38,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from proxy import logs
 from proxy.config import Settings
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import RedactionConfig, TextRedactor
@@ -179,10 +180,10 @@ class WriterProcess:
             self._local.use_tokenizer(spec)
 
     def forget(self, tenant: str, **kw: Any) -> None:
-        # A restarted child starts with empty caches, so a forget lost with a dead child is harmless.
+        # A lost forget is harmless (a new child's caches are empty; tombstones refuse the steps).
         self._send_control(("forget", tenant, kw))
         if self._local is not None:
-            self._local.forget(tenant, **kw)
+            self._local.forget(tenant, step_ids=kw.get("step_ids", ()), content_hashes=kw.get("content_hashes"))
 
     @property
     def pending(self) -> int:
@@ -445,9 +446,7 @@ def _child_main(settings: Settings, policies: Policies, inbox: Connection, outbo
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGXFSZ", None)):
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("presidio-analyzer", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    logs.configure(quiet=("presidio-analyzer", "alembic"))  # one line per record, no credentials in URLs
     from proxy.store import db
 
     rec = build_recorder(settings, policies, inline=True)
@@ -474,7 +473,7 @@ def _child_main(settings: Settings, policies: Policies, inbox: Connection, outbo
                     rec.persist_now(msg[2])
                 except Exception as e:
                     rec.stats["errors"] += 1
-                    outbox.send(("nack", msg[1], f"{type(e).__name__}: {e}"[:300], _child_stats(rec)))
+                    outbox.send(("nack", msg[1], db.db_error_reason(e), _child_stats(rec)))  # no row values
                 else:
                     outbox.send(("ack", msg[1], _child_stats(rec)))
             elif kind == "connect":

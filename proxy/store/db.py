@@ -116,3 +116,13 @@ def current(url: str) -> str | None:
             return MigrationContext.configure(conn).get_current_revision()
     finally:
         engine.dispose()
+
+
+def db_error_reason(e: BaseException) -> str:
+    """An error from the database as its type and SQLSTATE only: PostgreSQL's message may quote the
+    row's values (`DETAIL: Key (...)=(...)`, `invalid input syntax ... "<value>"`) or, on connect,
+    the server's address; none of that may reach logs or dead-letter files."""
+    orig = getattr(e, "orig", None) or e
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    kind = type(orig).__name__ if orig is e else f"{type(e).__name__}: {type(orig).__name__}"  # DataError: StringData...
+    return kind + (f" (SQLSTATE {state})" if state else "")

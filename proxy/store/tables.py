@@ -56,6 +56,9 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the key
     prefix: Mapped[str] = mapped_column(String(16))  # first characters, to recognise a key in listings
     is_admin: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # A scoped key may do only these (e.g. ["versions:write"]: the trainer's key registers versions
+    # and nothing else); NULL: a tenant's ordinary key.
+    scopes: Mapped[list[str] | None] = mapped_column(ARRAY(String(64)))
     name: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
     revoked_at: Mapped[datetime | None]
@@ -316,3 +319,16 @@ class AuditEvent(Base):
     target: Mapped[str | None] = mapped_column(Text)
     details: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
     __table_args__ = (Index("ix_audit_tenant_at", "tenant_id", "at"),)
+
+
+class Tombstone(Base):
+    """A forgotten session (or, with no external id, a whole forgotten tenant): the writer drops
+    any step of it that started before `forgotten_at` (spooled, queued or re-sent ones), so a
+    forget is final. Ids only, never content."""
+
+    __tablename__ = "tombstones"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(128))
+    external_id: Mapped[str | None] = mapped_column(String(256))  # NULL: the whole tenant
+    forgotten_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    __table_args__ = (Index("ix_tombstones_tenant_external", "tenant_id", "external_id"),)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import base64
 import logging
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -134,6 +134,39 @@ def ensure_tenant(s: Session, tenant_id: str) -> None:
     s.execute(insert(t.Tenant).values(id=tenant_id).on_conflict_do_nothing())
 
 
+def _aware(when: datetime) -> datetime:
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+def not_forgotten(s: Session, records: list[StepRecord]) -> list[StepRecord]:
+    """`records` less the steps of forgotten sessions (or tenants) that started before the forget:
+    a step spooled, queued or re-sent by the writer while its session was forgotten never comes back.
+    A step started after the forget (a client reusing its session id) is new data and is kept."""
+    if not records:
+        return records
+    tenants = sorted({r.session.tenant_id for r in records})
+    names = sorted({r.session.external_id for r in records})
+    rows = s.execute(
+        select(t.Tombstone.tenant_id, t.Tombstone.external_id, func.max(t.Tombstone.forgotten_at))
+        .where(t.Tombstone.tenant_id.in_(tenants),
+               or_(t.Tombstone.external_id.is_(None), t.Tombstone.external_id.in_(names)))
+        .group_by(t.Tombstone.tenant_id, t.Tombstone.external_id)
+    ).all()
+    if not rows:
+        return records
+    forgotten = {(tenant, ext): at for tenant, ext, at in rows}
+
+    def gone(r: StepRecord) -> bool:
+        started = _aware(r.started_at)
+        return any(at is not None and started < at for at in (
+            forgotten.get((r.session.tenant_id, r.session.external_id)), forgotten.get((r.session.tenant_id, None))))
+
+    kept = [r for r in records if not gone(r)]
+    if len(kept) < len(records):
+        log.info("dropped %d step(s) of forgotten sessions", len(records) - len(kept))
+    return kept
+
+
 def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     """Insert a batch of step records (idempotent by step id). Returns how many were new.
 
@@ -162,7 +195,7 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             s.execute(insert(t.Content).values(ordered[i : i + 1000]).on_conflict_do_nothing())
 
     existing = set(s.scalars(select(t.Step.id).where(t.Step.id.in_([r.id for r in records]))))
-    fresh = [r for r in records if r.id not in existing]
+    fresh = not_forgotten(s, [r for r in records if r.id not in existing])
     if not fresh:
         return 0
 

@@ -177,3 +177,18 @@ def test_retention_expires_dead_letters(start_proxy, fake_upstream):
         set_aside(proxy, rec)
     assert httpx.post(proxy.url + "/atdp/v1/retention/run", headers=ADMIN).status_code == 200
     assert sorted(d.step_id for d in deadletters.read(spool)) == sorted([recent.id, default.id])
+
+
+def test_a_dead_letters_reason_never_quotes_the_row(start_proxy, fake_upstream, caplog):
+    """PostgreSQL quotes the refused row's values (`DETAIL: Key (replay_of)=(...)`); the reason kept
+    beside the dead letter, and the log line, are the error's type and SQLSTATE only (#13)."""
+    proxy = start_proxy([fake_upstream.url])
+    mark = "acct-4111111111111111-x"
+    record = refused_record(proxy.tenant, "dl-quoted")
+    record.session.replay_of = mark  # no such session: a foreign-key refusal that quotes the value
+    set_aside(proxy, record)
+    (letter,) = [d for d in deadletters.read(proxy.state.settings.spool_dir) if d.session == "dl-quoted"]
+    assert letter.reason == "IntegrityError: ForeignKeyViolation (SQLSTATE 23503)"
+    raw = b"".join(p.read_bytes() for p in deadletters.folder(proxy.state.settings.spool_dir).iterdir())
+    assert raw.count(mark.encode()) == 1  # only the record's own (redacted-form) field, not the reason
+    assert mark not in caplog.text

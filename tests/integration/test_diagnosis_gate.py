@@ -25,7 +25,7 @@ from trainer.main import diagnosis_gate
 
 def _cfg(url: str, proxy, home: Path, gate: DiagnosisGate | None) -> TrainConfig:
     opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
-    return TrainConfig(database_url=url, proxy_url=proxy.url, admin_key="admin-test-key",
+    return TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key",
                        checkpoints_dir=home / "checkpoints", once=True, lr=1e-3, ppo=opts, gate=gate)
 
 

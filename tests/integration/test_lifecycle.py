@@ -105,7 +105,7 @@ def test_trainer_version_passes_the_replay_gate_and_its_card_tells_its_story(
         assert sessions == set(kept)
         lease.release(s, leased, owner="probe")
 
-    cfg = TrainConfig(database_url=url, proxy_url=proxy.url, admin_key="admin-test-key", policies=policies,
+    cfg = TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key", policies=policies,
                       checkpoints_dir=tmp_path / "checkpoints", once=True, lr=1e-3,
                       ppo=PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf")))  # the fake's logprobs are made up
     (result,) = run(cfg)

@@ -127,7 +127,7 @@ def test_rewards_lag_and_stale_marking(start_proxy, fake_upstream, own_db, tiny_
     assert lease.version_lag(["v2"], ranks, "v2") == 0
     assert lease.version_lag(["nope"], ranks, "v2") == lease.UNKNOWN_LAG
 
-    cfg = TrainConfig(database_url=url, proxy_url=proxy.url, admin_key="admin-test-key",
+    cfg = TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key",
                       checkpoints_dir=Path("/nonexistent"), once=True, max_version_lag=1, lease_ttl_s=0.0)
     time.sleep(0.05)  # T's lease (ttl 60) is still live: release it first
     with factory() as s, s.begin():
@@ -147,9 +147,22 @@ def test_rewards_lag_and_stale_marking(start_proxy, fake_upstream, own_db, tiny_
         assert lease.count_ready(s) == 0
 
 
+def _trainer_key(url: str) -> str:
+    """A key scoped to versions:write, what `atdp train` registers versions with (not the admin key)."""
+    from proxy.auth import create_key
+    from proxy.store import db
+
+    engine = db.make_engine(url)
+    try:
+        with db.transaction(db.session_factory(engine)) as s:
+            return create_key(s, "trainer", name="trainer", scopes=["versions:write"])[1]
+    finally:
+        engine.dispose()
+
+
 def _cfg(url, proxy, home: Path, **kw) -> TrainConfig:
     opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
-    return TrainConfig(database_url=url, proxy_url=proxy.url, admin_key="admin-test-key",
+    return TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key=_trainer_key(url),
                        checkpoints_dir=home / "checkpoints", once=True, **{"lr": 1e-3, "ppo": opts, **kw})
 
 
@@ -281,3 +294,42 @@ def test_fresh_optimizer_state_is_neither_saved_nor_resumed(start_proxy, fake_up
         (result,) = run(_cfg(url, proxy, tmp_path, optimizer_state="fresh"))
         assert result.status == "serving" and result.metrics["optimizer_resumed"] is False
     assert not trainer_state_path(tmp_path / "checkpoints").exists()
+
+
+def test_complete_checks_the_lease_owner(start_proxy, fake_upstream, own_db, tiny_dir):
+    """Another trainer's lease, or this trainer's expired one, cannot be completed (#13)."""
+    from trainer import swap
+
+    url, factory = own_db
+    proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
+    _session(proxy, "owned", ["aa", "bb"])
+    _feedback(proxy, "owned", reward=1.0)
+    with factory() as s, s.begin():
+        ids = lease.lease(s, owner="A", ttl_s=60, max_steps=10)
+        sessions = dict(s.execute(select(t.Step.id, t.Step.session_id).where(t.Step.id.in_(ids))).all())
+    assert len(ids) == 2
+    rows = [lease.LineageRow(step_id=i, session_id=sessions[i], reward=1.0, advantage=0.5) for i in ids]
+
+    def register(owner: str) -> str:
+        return swap.register_candidate(factory, name=f"v-{uuid.uuid4().hex[:6]}", checkpoint=str(tiny_dir),
+                                       parent_id=None, run_id=None, lineage=rows, owner=owner, metrics={})[0]
+
+    def trained() -> set[str | None]:
+        with factory() as s:
+            return set(s.scalars(select(t.Step.trained_version_id).where(t.Step.id.in_(ids))))
+
+    with pytest.raises(lease.LeaseLost):
+        register("B")  # not B's steps
+    assert trained() == {None}
+    with factory() as s, s.begin():  # A's lease runs out
+        s.execute(t.Step.__table__.update().where(t.Step.id.in_(ids))
+                  .values(lease_expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+    with pytest.raises(lease.LeaseLost):
+        register("A")
+    with factory() as s:  # nothing of the refused candidates stayed: no lineage, no version rows
+        assert s.scalar(select(t.VersionLineage.step_id).where(t.VersionLineage.step_id.in_(ids))) is None
+        assert s.scalar(select(t.ModelVersion.id).where(t.ModelVersion.status == "candidate")) is None
+    with factory() as s, s.begin():
+        assert sorted(lease.lease(s, owner="A", ttl_s=60, max_steps=10)) == sorted(ids)
+    version_id = register("A")
+    assert trained() == {version_id}

@@ -293,3 +293,115 @@ def test_real_vllm_swap_exact_versions_under_load(start_proxy, vllm_server, tiny
         counts[st.model_version] += 1
     assert len(steps) == len(results) and counts["base"] > 0 and counts["seed1"] > 0
     print(f"steps by version: {counts}; swap {r.json()['swap']['seconds']:.3f} s")
+
+
+def test_checkpoints_only_under_the_configured_roots(start_proxy, fakes, own_db, tmp_path):
+    """A new checkpoint outside ATDP_CHECKPOINT_ROOTS (default: ATDP_HOME/checkpoints) is a 400,
+    `..` and symbolic links included; one inside is registered and swapped in (#13)."""
+    upstreams, _ = fakes
+    url, _ = own_db
+    home = tmp_path / "home"
+    proxy = start_proxy([u.url for u in upstreams], database_url=url, home=home, checkpoint_roots=[])
+    assert proxy.versions.ready.wait(30)
+    inside = home / "checkpoints" / "v-ok"
+    inside.mkdir(parents=True)
+    (home / "checkpoints" / "escape").symlink_to(tmp_path)
+    for bad in ("/etc", str(tmp_path / "elsewhere"), str(home / "checkpoints" / ".." / "secret"),
+                str(home / "checkpoints" / "escape" / "x"), "relative/path"):
+        r = _swap(proxy, bad, name="nope")
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "checkpoint"
+    assert [v["name"] for v in _versions(proxy)["data"]] == ["base"]  # nothing registered
+    r = _swap(proxy, str(inside), name="ok")
+    assert r.status_code in (200, 202), r.text
+    assert _versions(proxy)["serving"] == "ok"
+    # Re-posting a known version (here: back to the engine's own base model) is not a new path.
+    assert _swap(proxy, "/models/fake", name="base").status_code in (200, 202)
+
+
+@pytest.mark.parametrize("slow_s,drain_s,swapped", [(3.0, 6.0, True), (4.0, 2.0, False)])
+def test_a_long_call_never_fails_the_calls_held_behind_a_swap(start_proxy, fake_upstream, own_db, slow_s, drain_s,
+                                                             swapped):
+    """A call longer than the hold timeout delays a swap (or makes it give up at its drain timeout);
+    the calls waiting at the gate meanwhile are answered, by the new weights or the old (#13)."""
+    url, _ = own_db
+    proxy = start_proxy([fake_upstream.url], database_url=url, swap_hold_timeout_s=1.0, swap_drain_timeout_s=drain_s)
+    assert proxy.versions.ready.wait(30)
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=60)
+    out: dict[str, object] = {}
+
+    def call(key: str, text: str) -> None:
+        try:
+            r = client.chat.completions.with_raw_response.create(
+                model="fake", messages=[{"role": "user", "content": text}])
+            out[key] = r.parse().choices[0].message.content
+        except Exception as e:  # asserted on below
+            out[key] = e
+
+    def swap() -> None:
+        out["swap"] = _swap(proxy, "/ckpt/after-long-call", name="after-long-call")
+
+    long_call = threading.Thread(target=call, args=("long", f"#slow {slow_s}"))
+    long_call.start()
+    time.sleep(0.5)
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    time.sleep(0.3)
+    held = [threading.Thread(target=call, args=(f"held{i}", f"held {i}")) for i in range(3)]
+    for th in held:
+        th.start()
+    for th in (long_call, swapper, *held):
+        th.join(60)
+    errors = {k: v for k, v in out.items() if isinstance(v, Exception)}
+    assert not errors, errors
+    assert _versions(proxy)["serving"] == ("after-long-call" if swapped else "base"), out["swap"].text
+    weights = "after-long-call" if swapped else "w0"  # the scripted upstream names its loaded weights
+    for i in range(3):
+        assert f"held {i}" in out[f"held{i}"] and weights in out[f"held{i}"], out[f"held{i}"]
+
+
+def test_a_versions_write_key_registers_versions_and_nothing_else(start_proxy, fakes, own_db, tmp_path):
+    """`atdp keys create --scope versions:write` (the trainer's key): POST /atdp/v1/versions works;
+    every other control route, the operator override and model traffic answer 403 (#13)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    upstreams, _ = fakes
+    url, _ = own_db
+    root = Path(__file__).resolve().parents[2]
+    made = subprocess.run([sys.executable, "-m", "proxy.cli", "keys", "create", "--tenant", "trainer",
+                           "--scope", "versions:write"], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "ATDP_DATABASE_URL": url, "ATDP_HOME": str(tmp_path / "cli-home")})
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    assert key.startswith("atdp-") and "scoped: versions:write" in made.stderr
+    bad = subprocess.run([sys.executable, "-m", "proxy.cli", "keys", "create", "--tenant", "trainer", "--admin",
+                          "--scope", "versions:write"], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "ATDP_DATABASE_URL": url, "ATDP_HOME": str(tmp_path / "cli-home")})
+    assert bad.returncode == 2 and "cannot be an admin key" in bad.stderr
+
+    proxy = start_proxy([u.url for u in upstreams], database_url=url, open_mode=False)
+    assert proxy.versions.ready.wait(30)
+    auth = {"authorization": f"Bearer {key}"}
+    r = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": "/ckpt/by-trainer", "name": "by-trainer",
+                                                         "wait": True}, headers=auth, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "serving", r.text
+    r = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": "/ckpt/forced", "promote": "now"},
+                   headers=auth, timeout=10)
+    assert r.status_code == 403, r.text
+    refused = [
+        ("GET", "/atdp/v1/versions", None), ("GET", "/atdp/v1/versions/by-trainer", None),
+        ("POST", "/atdp/v1/versions/by-trainer/rollback", {}), ("GET", "/atdp/v1/audit", None),
+        ("GET", "/atdp/v1/sessions", None), ("DELETE", "/atdp/v1/sessions/x", None),
+        ("GET", "/atdp/v1/tenants/trainer/policy", None), ("PUT", "/atdp/v1/tenants/trainer/policy", {"x": 1}),
+        ("DELETE", "/atdp/v1/tenants/trainer", None), ("GET", "/atdp/v1/diagnosis", None),
+        ("POST", "/atdp/v1/sessions/x/feedback", {"reward": 1}),
+        ("POST", "/v1/chat/completions", {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}),
+        ("POST", "/v1/messages", {"model": "fake", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    for method, path, body in refused:
+        r = httpx.request(method, proxy.url + path, json=body, headers=auth, timeout=10)
+        assert r.status_code == 403, (method, path, r.status_code, r.text)
+    assert _versions(proxy)["serving"] == "by-trainer"  # the admin key still sees everything

@@ -70,3 +70,22 @@ def test_a_failed_append_leaves_no_torn_line(tmp_path):
     lines = [ln for p in spool.segments() for ln in p.read_bytes().splitlines()]
     assert [orjson.loads(ln)["id"] for ln in lines] == ["fits", "after"]
     assert len(spool.segments()) == 2  # the failed append closed its segment
+
+
+def test_purge_drops_only_the_selected_records_and_keeps_torn_lines(tmp_path):
+    """A forget purges its session's pending records (#13); other records and a torn line stay for
+    the drain (which replays and quarantines them)."""
+    spool = Spool(tmp_path / "spool")
+    rec = lambda sid, i: {"id": f"{sid}-{i}", "session": {"tenant_id": "t", "external_id": sid}}  # noqa: E731
+    spool.append([rec("gone", 0), rec("kept", 0)])
+    spool.append_segment([rec("gone", 1), rec("gone", 2)])
+    spool._rotate()
+    first = spool.segments()[0]
+    first.write_bytes(first.read_bytes() + b'{"id": "torn", "sess')
+    gone = spool.purge(lambda r: r["session"]["external_id"] == "gone")
+    assert gone == 3
+    assert len(spool.segments()) == 1  # the all-"gone" segment is deleted
+    written: list[dict] = []
+    spool.drain(written.extend)
+    assert [r["id"] for r in written] == ["kept-0"]
+    assert spool.quarantined == 1 and not list(spool.dir.glob("*.purge"))

@@ -25,7 +25,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def _cfg(home: Path, lr: float = 1e-3) -> TrainConfig:
-    return TrainConfig(database_url="", proxy_url="", admin_key=None, checkpoints_dir=home / "checkpoints",
+    return TrainConfig(database_url="", proxy_url="", proxy_key=None, checkpoints_dir=home / "checkpoints",
                        engine_numerics="fp32", optimizer_state="keep", lr=lr, ppo=PPOOptions(ratio_mask_low=0.0, ratio_mask_high=math.inf))
 
 
