@@ -60,8 +60,10 @@ FROM steps st JOIN sessions se ON se.id = st.session_id
 WHERE st.status = 'ok' AND st.replay_of IS NULL
   AND (CAST(:tenant AS text) IS NULL OR st.tenant_id = :tenant) AND {where}
 ORDER BY st.started_at DESC LIMIT :limit"""
-TRAINING_MIX = _STEP_MIX.format(where="st.id IN (SELECT step_id FROM version_lineage WHERE version_id = :version_id)")
-RECENT_MIX = _STEP_MIX.format(where="st.started_at >= greatest(CAST(:since AS timestamptz), CAST(:after AS timestamptz))")
+_TRAINING_WHERE = "st.id IN (SELECT step_id FROM version_lineage WHERE version_id = :version_id)"
+_RECENT_WHERE = "st.started_at >= greatest(CAST(:since AS timestamptz), CAST(:after AS timestamptz))"
+TRAINING_MIX = _STEP_MIX.format(where=_TRAINING_WHERE)
+RECENT_MIX = _STEP_MIX.format(where=_RECENT_WHERE)
 
 # --- the fast path: the same rows, grouped in PostgreSQL (docs/diagnosis.md, "How it is computed") ---
 # The newest `limit` tool calls as TOOL_USES reads them, reduced to what the rules use: per tool the
@@ -124,8 +126,23 @@ WHERE orig.external_id IS NULL AND se.started_at >= :since
   AND (CAST(:tenant AS text) IS NULL OR se.tenant_id = :tenant)
 ORDER BY se.started_at DESC LIMIT :limit"""
 
-# A step mix (TRAINING_MIX, RECENT_MIX) counted by (tenant, task, tokens, tools) in PostgreSQL.
-MIX_GROUPS = "SELECT tenant, task_id, tokens, tools, count(*) AS n FROM ({mix}) m GROUP BY 1, 2, 3, 4"
+# A step mix (TRAINING_MIX, RECENT_MIX: the same steps) counted by (tenant, task, tokens, tools) in
+# PostgreSQL; each step's tools (sorted names) come from one aggregate of tool_calls, not a subquery a step.
+_MIX_GROUPS = """
+WITH m AS (
+    SELECT st.id, st.tenant_id AS tenant, coalesce(se.task_id, '') AS task_id,
+           st.prompt_tokens + st.completion_tokens AS tokens
+    FROM steps st JOIN sessions se ON se.id = st.session_id
+    WHERE st.status = 'ok' AND st.replay_of IS NULL
+      AND (CAST(:tenant AS text) IS NULL OR st.tenant_id = :tenant) AND {where}
+    ORDER BY st.started_at DESC LIMIT :limit
+)
+SELECT m.tenant, m.task_id, m.tokens, coalesce(t.tools, '{{}}') AS tools, count(*) AS n
+FROM m LEFT JOIN (SELECT step_id, array_agg(name ORDER BY name) AS tools FROM tool_calls GROUP BY step_id) t
+       ON t.step_id = m.id
+GROUP BY 1, 2, 3, 4"""
+TRAINING_GROUPS = _MIX_GROUPS.format(where=_TRAINING_WHERE)
+RECENT_GROUPS = _MIX_GROUPS.format(where=_RECENT_WHERE)
 
 
 @dataclass
@@ -251,12 +268,9 @@ def _tool_uses(s: Session, params: dict[str, object]) -> tuple[ToolCounts, list[
     return counts, failures, checked
 
 
-def _mix(s: Session, sql: str, params: dict[str, object], reference: bool) -> list[StepMix]:
-    if reference:
-        return [StepMix(tenant=r.tenant, task_id=r.task_id, tokens=int(r.tokens or 0), tools=list(r.tools or ()))
-                for r in s.execute(text(sql), params)]
-    return [StepMix(tenant=r.tenant, task_id=r.task_id, tokens=int(r.tokens or 0), tools=list(r.tools or ()), n=r.n)
-            for r in s.execute(text(MIX_GROUPS.format(mix=sql)), params)]
+def _mix(s: Session, sql: str, params: dict[str, object]) -> list[StepMix]:
+    return [StepMix(tenant=r.tenant, task_id=r.task_id, tokens=int(r.tokens or 0), tools=list(r.tools or ()),
+                    n=getattr(r, "n", 1)) for r in s.execute(text(sql), params)]
 
 
 def gather(s: Session, *, since: datetime, tenant: str | None, limit: int, reference: bool = False) -> Gathered:
@@ -273,8 +287,10 @@ def gather(s: Session, *, since: datetime, tenant: str | None, limit: int, refer
     last = s.execute(text(LAST_TRAINED)).first()
     if last is not None:
         training = TrainingWindow(version_id=last.id, version=last.name, created_at=last.created_at,
-                                  steps=_mix(s, TRAINING_MIX, params | {"version_id": last.id}, reference),
-                                  recent=_mix(s, RECENT_MIX, params | {"after": last.created_at}, reference))
+                                  steps=_mix(s, TRAINING_MIX if reference else TRAINING_GROUPS,
+                                             params | {"version_id": last.id}),
+                                  recent=_mix(s, RECENT_MIX if reference else RECENT_GROUPS,
+                                              params | {"after": last.created_at}))
     counts, failures, checked = (_tool_uses if reference else _tool_groups)(s, params)
     return Gathered(since=since, tenant=tenant, tool_counts=counts, failures=failures, checked=checked,
                     sessions=sessions, corrections=corrections, training=training)
