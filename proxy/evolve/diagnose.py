@@ -52,11 +52,13 @@ class Diagnosis:
                 "rules": {k: v for k, v in asdict(self.rules).items()}}
 
 
-def diagnose(s: Session, rules: Rules, *, tenant: str | None = None, now: datetime | None = None) -> Diagnosis:
-    """Read the window's traffic (one tenant, or all) and apply every rule; findings ranked by score."""
+def diagnose(s: Session, rules: Rules, *, tenant: str | None = None, now: datetime | None = None,
+             reference: bool = False) -> Diagnosis:
+    """Read the window's traffic (one tenant, or all) and apply every rule; findings ranked by score.
+    `reference`: count every row in Python instead of grouping in PostgreSQL (same findings, slower)."""
     now = now or datetime.now(UTC)
     since = now - timedelta(days=rules.window_days)
-    g = gather(s, since=since, tenant=tenant, limit=rules.max_rows)
+    g = gather(s, since=since, tenant=tenant, limit=rules.max_rows, reference=reference)
     total = len({(r.tenant, r.session_id) for r in g.sessions})
     findings = tool_failure_findings(g, rules, total) + schema_findings(g, rules, total)
     corrections, correction_table = correction_findings(g, rules, total)
@@ -65,10 +67,10 @@ def diagnose(s: Session, rules: Rules, *, tenant: str | None = None, now: dateti
     drifted, drift_stats = drift(g, rules)
     findings += corrections + rewards + costs + drifted
     findings.sort(key=lambda f: (-f.score, LAYERS.index(f.layer), f.kind, f.title))
-    calls = sum(u.is_error is not None for u in g.tool_uses)
+    counts = g.tool_counts
     stats: dict[str, JsonValue] = {
-        "tool_calls": len(g.tool_uses), "tool_results": calls,
-        "tool_failures": sum(bool(u.is_error) for u in g.tool_uses),
+        "tool_calls": sum(counts.calls.values()), "tool_results": sum(counts.answered.values()),
+        "tool_failures": sum(counts.failures.values()),
         "corrections": correction_table, "rewards": reward_table, "cost": cost_table, "drift": drift_stats}
     return Diagnosis(generated_at=now, since=since, tenant=tenant, rules=rules, sessions=total, findings=findings,
                      stats=stats)

@@ -7,7 +7,9 @@ kinds rank on one scale: the fix that reaches the most traffic first.
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.evolve.gather import (
@@ -21,7 +23,7 @@ from proxy.evolve.gather import (
     evidence_sql,
 )
 from proxy.evolve.rules import Rules
-from proxy.evolve.signals import JsonValue, argument_violations, error_signature, result_text, supplies_facts
+from proxy.evolve.signals import JsonValue, argument_violations, error_signature, supplies_facts
 from proxy.evolve.signals import tool_schemas as declared_schemas
 
 
@@ -66,13 +68,8 @@ class ToolStats:
         return self.failures[tool] / self.answered[tool] if self.answered[tool] else 0.0
 
 
-def tool_stats(uses: list[ToolUse]) -> ToolStats:
-    stats = ToolStats()
-    for u in uses:
-        if u.is_error is not None:
-            stats.answered[u.tool] += 1
-            stats.failures[u.tool] += u.is_error
-    return stats
+def _count(uses: list[ToolUse]) -> int:
+    return sum(u.n for u in uses)
 
 
 def concentrated_tools(stats: ToolStats, rules: Rules) -> set[str]:
@@ -84,27 +81,31 @@ def concentrated_tools(stats: ToolStats, rules: Rules) -> set[str]:
 
 
 def tool_failure_findings(g: Gathered, rules: Rules, total_sessions: int) -> list[Finding]:
-    failures = [u for u in g.tool_uses if u.is_error]
-    stats = tool_stats(g.tool_uses)
+    failures = g.failures
+    stats = ToolStats(answered=g.tool_counts.answered, failures=g.tool_counts.failures)
     focus = concentrated_tools(stats, rules)
     clusters: dict[tuple[str, str], list[ToolUse]] = defaultdict(list)
+    signatures: dict[str, str] = {}  # result text -> signature: many failures share one text
     for u in failures:
-        clusters[(u.tool, error_signature(result_text(u.result)))].append(u)
+        if u.result not in signatures:
+            signatures[u.result] = error_signature(u.result)
+        clusters[(u.tool, signatures[u.result])].append(u)
     out = []
+    total_failures = _count(failures)
     for (tool, signature), uses in clusters.items():
-        if len(uses) < rules.min_failures:
+        if _count(uses) < rules.min_failures:
             continue
         harness = tool in focus
         sessions = {u.session_id for u in uses}
         out.append(Finding(
             kind="tool_failure_cluster", title=f"{tool}: {signature}",
             layer="harness" if harness else "policy", score=_share(sessions, total_sessions),
-            why=(f"{tool} holds {stats.failures[tool]}/{len(failures)} tool failures (>= {rules.concentration_share:.0%})"
+            why=(f"{tool} holds {stats.failures[tool]}/{total_failures} tool failures (>= {rules.concentration_share:.0%})"
                  f" and fails {stats.rate(tool):.0%} of its calls (>= {rules.min_failure_rate:.0%}): fix the tool or"
                  " its schema" if harness else
                  f"no tool holds {rules.concentration_share:.0%} of the failures: part of a spread"),
             tenants=sorted({u.tenant for u in uses}), examples=_examples([u.session_id for u in uses], rules.examples),
-            evidence={"tool": tool, "signature": signature, "failures": len(uses), "sessions": len(sessions),
+            evidence={"tool": tool, "signature": signature, "failures": _count(uses), "sessions": len(sessions),
                       "tool_failures": stats.failures[tool], "tool_results": stats.answered[tool],
                       "tool_failure_rate": round(stats.rate(tool), 4),
                       "tasks": sorted({u.task_id or "" for u in uses})},
@@ -119,7 +120,7 @@ def spread_finding(g: Gathered, rules: Rules, failures: list[ToolUse], stats: To
     tools = {u.tool for u in failures}
     tasks = {u.task_id or "" for u in failures}
     tenants = {u.tenant for u in failures}
-    if (focus or len(failures) < rules.min_failures or len(tools) < rules.spread_min_tools
+    if (focus or _count(failures) < rules.min_failures or len(tools) < rules.spread_min_tools
             or len(tasks) < rules.spread_min_tasks or len(tenants) < rules.spread_min_tenants):
         return None
     sessions = {u.session_id for u in failures}
@@ -130,11 +131,18 @@ def spread_finding(g: Gathered, rules: Rules, failures: list[ToolUse], stats: To
         why=(f">= {rules.spread_min_tools} tools, {rules.spread_min_tasks} tasks and {rules.spread_min_tenants} "
              f"tenants fail and no tool holds {rules.concentration_share:.0%} of the failures: update the policy"),
         tenants=sorted(tenants), examples=_examples([u.session_id for u in failures], rules.examples),
-        evidence={"failures": len(failures), "sessions": len(sessions),
+        evidence={"failures": _count(failures), "sessions": len(sessions),
                   "by_tool": {t: stats.failures[t] for t in sorted(tools)},
-                  "by_task": dict(sorted(Counter(u.task_id or "" for u in failures).items())),
-                  "by_tenant": dict(sorted(Counter(u.tenant for u in failures).items()))},
+                  "by_task": dict(sorted(_weighted(failures, lambda u: u.task_id or "").items())),
+                  "by_tenant": dict(sorted(_weighted(failures, lambda u: u.tenant).items()))},
         sql=evidence_sql(ALL_TOOL_FAILURES, _params(g)))
+
+
+def _weighted(uses: list[ToolUse], key: Callable[[ToolUse], str]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for u in uses:
+        out[key(u)] += u.n
+    return out
 
 
 def schema_findings(g: Gathered, rules: Rules, total_sessions: int) -> list[Finding]:
@@ -142,25 +150,32 @@ def schema_findings(g: Gathered, rules: Rules, total_sessions: int) -> list[Find
     here, from the stored arguments and tool schema, not at capture time)."""
     hits: dict[tuple[str, str, str], list[ToolUse]] = defaultdict(list)
     checked: Counter[str] = Counter()
-    for u in g.tool_uses:
-        schema = declared_schemas(u.schema).get(u.tool)
+    declared: dict[tuple[str, str] | None, dict[str, dict[str, JsonValue]]] = {}  # per tools list, parsed once
+    verdicts: dict[tuple[object, ...], list[tuple[str, str]]] = {}  # per schema and arguments, checked once
+    for u in g.checked:
+        if u.schema_key not in declared:
+            declared[u.schema_key] = declared_schemas(u.schema)
+        schema = declared[u.schema_key].get(u.tool)
         if schema is None:
             continue
-        checked[u.tool] += 1
-        for path, problem in argument_violations(u.arguments, schema):
+        checked[u.tool] += u.n
+        key = (u.schema_key, u.tool, json.dumps(u.arguments, sort_keys=True))
+        if key not in verdicts:
+            verdicts[key] = argument_violations(u.arguments, schema)
+        for path, problem in verdicts[key]:
             hits[(u.tool, path, problem)].append(u)
     out = []
     for (tool, path, problem), uses in hits.items():
-        if len(uses) < rules.min_schema_violations:
+        if _count(uses) < rules.min_schema_violations:
             continue
         sessions = {u.session_id for u in uses}
         out.append(Finding(
             kind="schema_violation", title=f"{tool} {path}: {problem}", layer="harness",
             score=_share(sessions, total_sessions),
-            why=f"{len(uses)} calls of {tool} break its declared schema at {path} (>= {rules.min_schema_violations}):"
+            why=f"{_count(uses)} calls of {tool} break its declared schema at {path} (>= {rules.min_schema_violations}):"
                 " clarify the tool schema or validate in the harness",
             tenants=sorted({u.tenant for u in uses}), examples=_examples([u.session_id for u in uses], rules.examples),
-            evidence={"tool": tool, "argument": path, "problem": problem, "violations": len(uses),
+            evidence={"tool": tool, "argument": path, "problem": problem, "violations": _count(uses),
                       "calls_checked": checked[tool], "sessions": len(sessions)},
             sql=evidence_sql(TOOL_CALLS_OF, _params(g, tool=tool))))
     return out

@@ -7,13 +7,14 @@ The queries are module constants so a finding can quote the SQL that reproduces 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from proxy.evolve.signals import JsonValue
+from proxy.evolve.signals import JsonValue, result_text, text_of
 
 TOOL_USES = """
 SELECT tc.tenant_id AS tenant, se.external_id AS session_id, se.task_id, tc.name AS tool,
@@ -59,20 +60,114 @@ FROM steps st JOIN sessions se ON se.id = st.session_id
 WHERE st.status = 'ok' AND st.replay_of IS NULL
   AND (CAST(:tenant AS text) IS NULL OR st.tenant_id = :tenant) AND {where}
 ORDER BY st.started_at DESC LIMIT :limit"""
-TRAINING_MIX = _STEP_MIX.format(where="st.id IN (SELECT step_id FROM version_lineage WHERE version_id = :version_id)")
-RECENT_MIX = _STEP_MIX.format(where="st.started_at >= greatest(CAST(:since AS timestamptz), CAST(:after AS timestamptz))")
+_TRAINING_WHERE = "st.id IN (SELECT step_id FROM version_lineage WHERE version_id = :version_id)"
+_RECENT_WHERE = "st.started_at >= greatest(CAST(:since AS timestamptz), CAST(:after AS timestamptz))"
+TRAINING_MIX = _STEP_MIX.format(where=_TRAINING_WHERE)
+RECENT_MIX = _STEP_MIX.format(where=_RECENT_WHERE)
+
+# --- the fast path: the same rows, grouped in PostgreSQL (docs/diagnosis.md, "How it is computed") ---
+# The newest `limit` tool calls as TOOL_USES reads them, reduced to what the rules use: per tool the
+# calls, answered calls and failures; the failures grouped by (tenant, session, task, tool, the part of
+# the result body that `signals.result_text` reads); the calls with a declared tools list grouped by
+# (tenant, session, task, tool, tools hash, arguments). Each group keeps its newest step's time, so
+# example sessions come out in the order TOOL_USES gives them.
+TOOL_GROUPS = """
+WITH u AS MATERIALIZED (
+    SELECT tc.tenant_id AS tenant, se.external_id AS session_id, se.task_id, tc.name AS tool, st.started_at,
+           st.tools_hash, tc.arguments, tc.is_error,
+           coalesce(jsonb_typeof(r.body) <> 'null', false) AS answered,
+           coalesce(r.body -> 'content', r.body -> 'output', r.body) AS result
+    FROM tool_calls tc
+    JOIN steps st ON st.id = tc.step_id
+    JOIN sessions se ON se.id = tc.session_id
+    LEFT JOIN contents r ON r.tenant_id = tc.tenant_id AND r.hash = tc.result_hash
+    WHERE st.replay_of IS NULL AND se.started_at >= :since
+      AND (CAST(:tenant AS text) IS NULL OR tc.tenant_id = :tenant)
+    ORDER BY st.started_at DESC LIMIT :limit
+), f AS (SELECT * FROM u WHERE answered AND coalesce(is_error, false))
+SELECT 'count' AS kind, NULL AS tenant, NULL AS session_id, NULL AS task_id, tool, NULL::jsonb AS payload,
+       NULL AS tools_hash, count(*) AS n, count(*) FILTER (WHERE answered) AS answered,
+       count(*) FILTER (WHERE answered AND coalesce(is_error, false)) AS failed, NULL::timestamptz AS newest
+  FROM u GROUP BY tool
+UNION ALL
+SELECT 'failure', tenant, session_id, task_id, tool, result, NULL, count(*), NULL, NULL, max(started_at)
+  FROM f GROUP BY tenant, session_id, task_id, tool, result
+UNION ALL
+SELECT 'schema', tenant, session_id, task_id, tool, arguments, tools_hash, count(*), NULL, NULL, max(started_at)
+  FROM u WHERE tools_hash IS NOT NULL GROUP BY tenant, session_id, task_id, tool, tools_hash, arguments
+ORDER BY kind, newest DESC"""
+
+# The window's sessions as SESSIONS reads them from atdp_session_outcomes, aggregating only their own
+# steps and feedback (the view aggregates the whole store before it filters).
+SESSION_ROWS = """
+SELECT se.tenant_id AS tenant, se.external_id AS session_id, se.task_id, se.started_at,
+       coalesce(st.prompt_tokens, 0) AS prompt_tokens, coalesce(st.completion_tokens, 0) AS completion_tokens,
+       CASE coalesce(tn.policy ->> 'reward_combine', 'last')
+           WHEN 'mean' THEN fb.mean_reward WHEN 'min' THEN fb.min_reward WHEN 'max' THEN fb.max_reward
+           WHEN 'sum' THEN fb.sum_reward ELSE fb.last_reward END AS reward,
+       coalesce(fb.corrections, 0) AS corrections, st.version
+FROM sessions se
+LEFT JOIN sessions orig ON orig.id = se.replay_of
+LEFT JOIN tenants tn ON tn.id = se.tenant_id
+LEFT JOIN LATERAL (
+    SELECT sum(s.prompt_tokens) AS prompt_tokens, sum(s.completion_tokens) AS completion_tokens,
+           (array_agg(s.model_version ORDER BY s.seq))[1] AS version
+    FROM steps s WHERE s.session_id = se.id) st ON true
+LEFT JOIN LATERAL (
+    SELECT (array_agg(f.reward ORDER BY f.created_at DESC, f.id DESC)
+               FILTER (WHERE f.reward IS NOT NULL AND f.step_id IS NULL))[1] AS last_reward,
+           avg(f.reward) FILTER (WHERE f.step_id IS NULL) AS mean_reward,
+           min(f.reward) FILTER (WHERE f.step_id IS NULL) AS min_reward,
+           max(f.reward) FILTER (WHERE f.step_id IS NULL) AS max_reward,
+           sum(f.reward) FILTER (WHERE f.step_id IS NULL) AS sum_reward,
+           count(*) FILTER (WHERE f.correction IS NOT NULL OR f.source = 'user_correction') AS corrections
+    FROM feedback f WHERE f.session_id = se.id) fb ON true
+WHERE orig.external_id IS NULL AND se.started_at >= :since
+  AND (CAST(:tenant AS text) IS NULL OR se.tenant_id = :tenant)
+ORDER BY se.started_at DESC LIMIT :limit"""
+
+# A step mix (TRAINING_MIX, RECENT_MIX: the same steps) counted by (tenant, task, tokens, tools) in
+# PostgreSQL; each step's tools (sorted names) come from one aggregate of tool_calls, not a subquery a step.
+_MIX_GROUPS = """
+WITH m AS (
+    SELECT st.id, st.tenant_id AS tenant, coalesce(se.task_id, '') AS task_id,
+           st.prompt_tokens + st.completion_tokens AS tokens
+    FROM steps st JOIN sessions se ON se.id = st.session_id
+    WHERE st.status = 'ok' AND st.replay_of IS NULL
+      AND (CAST(:tenant AS text) IS NULL OR st.tenant_id = :tenant) AND {where}
+    ORDER BY st.started_at DESC LIMIT :limit
+)
+SELECT m.tenant, m.task_id, m.tokens, coalesce(t.tools, '{{}}') AS tools, count(*) AS n
+FROM m LEFT JOIN (SELECT step_id, array_agg(name ORDER BY name) AS tools FROM tool_calls GROUP BY step_id) t
+       ON t.step_id = m.id
+GROUP BY 1, 2, 3, 4"""
+TRAINING_GROUPS = _MIX_GROUPS.format(where=_TRAINING_WHERE)
+RECENT_GROUPS = _MIX_GROUPS.format(where=_RECENT_WHERE)
 
 
 @dataclass
 class ToolUse:
+    """Tool calls of one session to one tool with the same result text (a failure) or the same
+    arguments and declared tools (a schema check): `n` of them, newest first in `Gathered`."""
+
     tenant: str
     session_id: str
     task_id: str | None
     tool: str
     arguments: JsonValue
-    is_error: bool | None  # None: no result came back
-    result: JsonValue
+    result: str  # the result's text (failures), "" otherwise
     schema: JsonValue  # the step's declared tools (the whole list), or None
+    schema_key: tuple[str, str] | None = None  # (tenant, tools hash) of `schema`
+    n: int = 1
+
+
+@dataclass
+class ToolCounts:
+    """Per tool: calls, calls whose result came back, and those marked as errors."""
+
+    calls: Counter[str] = field(default_factory=Counter)
+    answered: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -102,6 +197,7 @@ class StepMix:
     task_id: str
     tokens: int
     tools: list[str]
+    n: int = 1  # steps alike
 
 
 @dataclass
@@ -117,48 +213,87 @@ class TrainingWindow:
 class Gathered:
     since: datetime
     tenant: str | None
-    tool_uses: list[ToolUse]
+    tool_counts: ToolCounts
+    failures: list[ToolUse]  # answered calls marked as errors
+    checked: list[ToolUse]  # calls whose step declared its tools
     sessions: list[SessionRow]
     corrections: list[Correction]
     training: TrainingWindow | None
 
 
-def _tool_uses(s: Session, params: dict[str, object]) -> list[ToolUse]:
+def _schemas(s: Session, pairs: set[tuple[str, str]]) -> dict[tuple[str, str], JsonValue]:
+    if not pairs:
+        return {}
+    keys = sorted(pairs)
+    binds = {f"t{i}": tenant for i, (tenant, _) in enumerate(keys)} | {f"h{i}": h for i, (_, h) in enumerate(keys)}
+    sql = TOOL_SCHEMAS.format(pairs=", ".join(f"(:t{i}, :h{i})" for i in range(len(keys))))
+    return {(r.tenant_id, r.hash): r.body for r in s.execute(text(sql), binds)}
+
+
+def _tool_groups(s: Session, params: dict[str, object]) -> tuple[ToolCounts, list[ToolUse], list[ToolUse]]:
+    """The fast path: TOOL_GROUPS, grouped in PostgreSQL."""
+    counts, failures, checked = ToolCounts(), [], []
+    rows = s.execute(text(TOOL_GROUPS), params).all()
+    schemas = _schemas(s, {(r.tenant, r.tools_hash) for r in rows if r.kind == "schema"})
+    for r in rows:
+        if r.kind == "count":
+            counts.calls[r.tool], counts.answered[r.tool], counts.failures[r.tool] = r.n, r.answered, r.failed
+        elif r.kind == "failure":
+            failures.append(ToolUse(tenant=r.tenant, session_id=r.session_id, task_id=r.task_id, tool=r.tool,
+                                    arguments=None, result=text_of(r.payload), schema=None, n=r.n))
+        else:
+            key = (r.tenant, r.tools_hash)
+            checked.append(ToolUse(tenant=r.tenant, session_id=r.session_id, task_id=r.task_id, tool=r.tool,
+                                   arguments=r.payload, result="", schema=schemas.get(key), schema_key=key, n=r.n))
+    return counts, failures, checked
+
+
+def _tool_uses(s: Session, params: dict[str, object]) -> tuple[ToolCounts, list[ToolUse], list[ToolUse]]:
+    """The reference path: every call of TOOL_USES read and counted here, one by one."""
     rows = s.execute(text(TOOL_USES), params).mappings().all()
-    pairs = {(r["tenant"], r["tools_hash"]) for r in rows if r["tools_hash"]}
-    schemas: dict[tuple[str, str], JsonValue] = {}
-    if pairs:
-        keys = sorted(pairs)
-        binds = {f"t{i}": tenant for i, (tenant, _) in enumerate(keys)} | {f"h{i}": h for i, (_, h) in enumerate(keys)}
-        sql = TOOL_SCHEMAS.format(pairs=", ".join(f"(:t{i}, :h{i})" for i in range(len(keys))))
-        schemas = {(r.tenant_id, r.hash): r.body for r in s.execute(text(sql), binds)}
-    return [ToolUse(tenant=r["tenant"], session_id=r["session_id"], task_id=r["task_id"], tool=r["tool"],
-                    arguments=r["arguments"], is_error=None if r["result"] is None else bool(r["is_error"]),
-                    result=r["result"], schema=schemas.get((r["tenant"], r["tools_hash"])))
-            for r in rows]
+    schemas = _schemas(s, {(r["tenant"], r["tools_hash"]) for r in rows if r["tools_hash"]})
+    counts, failures, checked = ToolCounts(), [], []
+    for r in rows:
+        counts.calls[r["tool"]] += 1
+        answered = r["result"] is not None
+        failed = answered and bool(r["is_error"])
+        counts.answered[r["tool"]] += answered
+        counts.failures[r["tool"]] += failed
+        use = dict(tenant=r["tenant"], session_id=r["session_id"], task_id=r["task_id"], tool=r["tool"])
+        if failed:
+            failures.append(ToolUse(**use, arguments=None, result=result_text(r["result"]), schema=None))
+        if r["tools_hash"]:
+            key = (r["tenant"], r["tools_hash"])
+            checked.append(ToolUse(**use, arguments=r["arguments"], result="", schema=schemas.get(key), schema_key=key))
+    return counts, failures, checked
 
 
 def _mix(s: Session, sql: str, params: dict[str, object]) -> list[StepMix]:
-    return [StepMix(tenant=r.tenant, task_id=r.task_id, tokens=int(r.tokens or 0), tools=list(r.tools or ()))
-            for r in s.execute(text(sql), params)]
+    return [StepMix(tenant=r.tenant, task_id=r.task_id, tokens=int(r.tokens or 0), tools=list(r.tools or ()),
+                    n=getattr(r, "n", 1)) for r in s.execute(text(sql), params)]
 
 
-def gather(s: Session, *, since: datetime, tenant: str | None, limit: int) -> Gathered:
+def gather(s: Session, *, since: datetime, tenant: str | None, limit: int, reference: bool = False) -> Gathered:
+    """What the rules read. `reference`: read every row and count in Python (the slow, obvious path the
+    fast one is tested against) instead of grouping in PostgreSQL."""
     params: dict[str, object] = {"since": since, "tenant": tenant, "limit": limit}
     sessions = [SessionRow(tenant=r.tenant, session_id=r.session_id, task_id=r.task_id, started_at=r.started_at,
                            prompt_tokens=int(r.prompt_tokens), completion_tokens=int(r.completion_tokens),
                            reward=r.reward, corrections=int(r.corrections), version=r.version)
-                for r in s.execute(text(SESSIONS), params)]
+                for r in s.execute(text(SESSIONS if reference else SESSION_ROWS), params)]
     corrections = [Correction(tenant=r.tenant, session_id=r.session_id, task_id=r.task_id, text=r.correction)
                    for r in s.execute(text(CORRECTIONS), params)]
     training = None
     last = s.execute(text(LAST_TRAINED)).first()
     if last is not None:
         training = TrainingWindow(version_id=last.id, version=last.name, created_at=last.created_at,
-                                  steps=_mix(s, TRAINING_MIX, params | {"version_id": last.id}),
-                                  recent=_mix(s, RECENT_MIX, params | {"after": last.created_at}))
-    return Gathered(since=since, tenant=tenant, tool_uses=_tool_uses(s, params), sessions=sessions,
-                    corrections=corrections, training=training)
+                                  steps=_mix(s, TRAINING_MIX if reference else TRAINING_GROUPS,
+                                             params | {"version_id": last.id}),
+                                  recent=_mix(s, RECENT_MIX if reference else RECENT_GROUPS,
+                                              params | {"after": last.created_at}))
+    counts, failures, checked = (_tool_uses if reference else _tool_groups)(s, params)
+    return Gathered(since=since, tenant=tenant, tool_counts=counts, failures=failures, checked=checked,
+                    sessions=sessions, corrections=corrections, training=training)
 
 
 def _literal(value: object) -> str:

@@ -38,15 +38,17 @@ def error_signature(text: str) -> str:
     return sig.strip()[:MAX_SIGNATURE] or "<empty>"
 
 
-def _text_of(value: JsonValue) -> str:
+def text_of(value: JsonValue) -> str:
+    """The text of a result's content: a string, a list of parts (joined by lines), or a part's
+    `text`, `content` or `output`."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        return "\n".join(_text_of(v) for v in value)
+        return "\n".join(text_of(v) for v in value)
     if isinstance(value, dict):
         for key in ("text", "content", "output"):
             if key in value:
-                return _text_of(value[key])
+                return text_of(value[key])
     return ""
 
 
@@ -56,8 +58,8 @@ def result_text(body: JsonValue) -> str:
     if isinstance(body, dict):
         for key in ("content", "output"):
             if key in body:
-                return _text_of(body[key])
-    return _text_of(body)
+                return text_of(body[key])
+    return text_of(body)
 
 
 # --- corrections that supply facts ----------------------------------------------------------------

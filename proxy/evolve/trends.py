@@ -108,9 +108,13 @@ def cost_per_session(g: Gathered, rules: Rules) -> tuple[list[Finding], list[dic
 
 
 def _mixes(steps: list[StepMix]) -> dict[str, Counter[str]]:
-    return {"task": Counter(s.task_id or "(none)" for s in steps),
-            "tool": Counter(t for s in steps for t in (s.tools or ["(no tool)"])),
-            "length": Counter(length_bucket(s.tokens) for s in steps)}
+    out: dict[str, Counter[str]] = {"task": Counter(), "tool": Counter(), "length": Counter()}
+    for s in steps:  # each StepMix stands for `n` alike steps
+        out["task"][s.task_id or "(none)"] += s.n
+        for t in s.tools or ["(no tool)"]:
+            out["tool"][t] += s.n
+        out["length"][length_bucket(s.tokens)] += s.n
+    return out
 
 
 def drift(g: Gathered, rules: Rules) -> tuple[list[Finding], dict[str, JsonValue] | None]:
@@ -118,8 +122,9 @@ def drift(g: Gathered, rules: Rules) -> tuple[list[Finding], dict[str, JsonValue
     w = g.training
     if w is None:
         return [], None
-    stats: dict[str, JsonValue] = {"version": w.version, "training_steps": len(w.steps), "recent_steps": len(w.recent)}
-    if min(len(w.steps), len(w.recent)) < rules.min_drift_steps:
+    trained, recent = sum(s.n for s in w.steps), sum(s.n for s in w.recent)
+    stats: dict[str, JsonValue] = {"version": w.version, "training_steps": trained, "recent_steps": recent}
+    if min(trained, recent) < rules.min_drift_steps:
         stats["note"] = f"fewer than {rules.min_drift_steps} steps on a side: not compared"
         return [], stats
     before, after = _mixes(w.steps), _mixes(w.recent)
