@@ -28,6 +28,7 @@ from proxy.control.swap import Versions
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
 from proxy.errors import ApiError, error_response, flavor_for_path
+from proxy.evolve.snapshot import DiagnosisCache
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import LazyRedactor, TextRedactor
 from proxy.http import Endpoint, Route, json_response, log_exception
@@ -87,6 +88,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         pool=ReplicaPool(settings.upstream_urls, hold_timeout_s=settings.swap_hold_timeout_s,
                          api_key=settings.upstream_api_key),
         index=ContinuationIndex(ttl_s=settings.session_ttl_s, retry_window_s=settings.retry_window_s),
+        diagnosis=DiagnosisCache(settings.diagnosis_max_age_s),
         recorder=recorder,
         redactor=own_redactor,
         tracer=telemetry.Tracer(settings.otel_exporter),
@@ -109,6 +111,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             tasks.append(asyncio.create_task(_refresh_keys(state)))
             tasks.append(asyncio.create_task(canary.resume(state, swaps)))
             tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
+            tasks.append(asyncio.create_task(diagnosis.warm(state), name="atdp-diagnosis-warm"))
         if settings.retention_interval_s > 0:
             tasks.append(asyncio.create_task(admin.retention_loop(state, settings.retention_interval_s)))
         gc.collect()

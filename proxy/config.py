@@ -118,6 +118,8 @@ class Settings(BaseSettings):
     retention_interval_s: float = 3600.0  # how often the proxy runs the retention job
     # Diagnosis rules and thresholds (TOML; docs/diagnosis.md). Unset: the documented defaults.
     diagnosis_file: Path | None = None
+    # How stale a served diagnosis may be while a newer one is computed (docs/diagnosis.md); 0: never.
+    diagnosis_max_age_s: float = 60.0
     # --- the proxy ----------------------------------------------------------------------------------
     max_body_bytes: int = 32 * 1024 * 1024
     queue_size: int = 10_000

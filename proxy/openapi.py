@@ -145,7 +145,9 @@ def _control_paths() -> dict[str, dict[str, Any]]:
         "/atdp/v1/retention/run": {"post": _op("run retention now (admin)")},
         "/atdp/v1/audit": {"get": _op("audit rows, newest first (admin)", params=audit, ok=page)},
         "/atdp/v1/diagnosis": {"get": _op("ranked findings: where to fix (tenant key: its tenant; admin: all); "
-                                          "rules may be overridden as query parameters", params=[_query("tenant")])},
+                                          "rules may be overridden as query parameters; served from a snapshot "
+                                          "(`generated_at`, `newer_data`) unless fresh=1",
+                                          params=[_query("tenant"), _query("fresh")])},
         "/atdp/v1/whoami": {"get": _op("the caller's key: admin, or its tenant", ok={
             "type": "object", "required": ["admin", "tenant"],
             "properties": {"admin": {"type": "boolean"}, "tenant": {"type": ["string", "null"]},

@@ -20,6 +20,7 @@ from proxy.auth import Principal, active_keys, hash_key, key_from_headers, looku
 from proxy.canary import CanaryRouter
 from proxy.config import Settings
 from proxy.errors import ApiError
+from proxy.evolve.snapshot import DiagnosisCache
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import TextRedactor
 from proxy.providers import RouteTable
@@ -46,6 +47,7 @@ class AppState:
     keys: dict[str, Principal] = field(default_factory=dict)  # sha256(key) -> principal
     misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
     stopping: threading.Event = field(default_factory=threading.Event)  # set when the app shuts down
+    diagnosis: DiagnosisCache = field(default_factory=DiagnosisCache)  # snapshots served by the route
     canary: CanaryRouter = field(default_factory=CanaryRouter)  # gate 3's routing; its factory is set on connect
     # Called after a forget with (tenant, forgotten step ids, whole tenant?): caches the doors keep
     # (the Responses door's recent conversations) drop what links to forgotten sessions.

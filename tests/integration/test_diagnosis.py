@@ -169,3 +169,48 @@ def test_a_reward_decline_and_growing_prompts_are_found_per_tenant_and_task(scen
     (cost,) = [f for f in d["findings"] if f["kind"] == "cost"]
     assert cost["layer"] == "harness" and cost["evidence"]["growth"] > 5 and cost["evidence"]["prompt_share"] > 0.9
     assert d["stats"]["rewards"][0]["by_version"]["base"]["sessions"] == 8
+
+
+def test_the_route_serves_a_snapshot_and_says_when_the_store_moved(scenario, start_proxy, fake_upstream):
+    """A page asks often; the diagnosis of a large window takes about a second: the route serves the
+    last one while nothing changed, and while the store moves serves it marked `newer_data` (a newer
+    one computed in the background) for at most `diagnosis_max_age_s`."""
+    import time
+
+    db_url, factory, proxy, other, key = scenario
+    seed_policy(proxy, other_key=key, n=6)
+    proxy.flush()
+    closed = start_proxy([fake_upstream.url], database_url=db_url, open_mode=False, diagnosis_max_age_s=3600)
+    url = f"{closed.url}/atdp/v1/diagnosis"
+    first = httpx.get(url, headers=ADMIN).json()
+    assert first["newer_data"] is False and first["sessions"] == 6
+    again = httpx.get(url, headers=ADMIN).json()
+    assert again == first  # the store did not move: the same snapshot, exact
+
+    seed_policy(proxy, other_key=key, n=2)
+    proxy.flush()
+    stale = httpx.get(url, headers=ADMIN).json()
+    assert stale["newer_data"] is True and stale["generated_at"] == first["generated_at"]
+    deadline = time.monotonic() + 60
+    while (now := httpx.get(url, headers=ADMIN).json())["generated_at"] == first["generated_at"]:
+        assert time.monotonic() < deadline, "the background diagnosis never replaced the snapshot"
+        time.sleep(0.2)
+    assert now["newer_data"] is False and now["sessions"] > first["sessions"]
+    fresh = httpx.get(url, params={"fresh": "1"}, headers=ADMIN).json()
+    assert fresh["sessions"] == now["sessions"] and fresh["generated_at"] > now["generated_at"]
+    # A tenant key gets its own snapshot, never the all-tenants one.
+    own = httpx.get(url, headers={"Authorization": f"Bearer {key}"}).json()
+    assert own["tenant"] == other and all(f["tenants"] == [other] for f in own["findings"])
+
+
+def test_with_no_allowed_age_every_change_is_waited_for(scenario, start_proxy, fake_upstream):
+    db_url, factory, proxy, other, key = scenario
+    seed_policy(proxy, other_key=key, n=4)
+    proxy.flush()
+    closed = start_proxy([fake_upstream.url], database_url=db_url, open_mode=False, diagnosis_max_age_s=0)
+    url = f"{closed.url}/atdp/v1/diagnosis"
+    before = httpx.get(url, headers=ADMIN).json()
+    seed_policy(proxy, other_key=key, n=2)
+    proxy.flush()
+    after = httpx.get(url, headers=ADMIN).json()
+    assert after["newer_data"] is False and after["sessions"] > before["sessions"]
