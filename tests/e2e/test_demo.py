@@ -144,7 +144,8 @@ def _assert_all_stopped(home: Path) -> None:
 @pytest.mark.slow
 def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     home = tmp_path / "home"
-    proc = _demo(home, "--rounds", "2", "--eval-cases", "4")
+    # 40% held out: the second gate draws on 16 sessions, none of them held out with odds 0.6^16.
+    proc = _demo(home, "--rounds", "2", "--eval-cases", "4", "--eval-holdout", "0.4")
     try:
         out, _ = proc.communicate(timeout=900)
     finally:
@@ -166,8 +167,9 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     assert [g["version"] for g in summary["gates"]] == ["v1", "v2"], out
     for g in summary["gates"]:
         assert g["replay_state"] == "passed" and g["safety_state"] == "passed", g
-        assert g["suite_cases"] == 4 and g["held_out_cases"] > 0 and g["cases"] == g["suite_cases"] + g["held_out_cases"]
+        assert g["suite_cases"] == 4 and g["cases"] == g["suite_cases"] + g["held_out_cases"]
         assert g["canary_state"] == "skipped" and g["status"] == "serving"
+    assert summary["gates"][-1]["held_out_cases"] > 0
     assert summary["card"] == {"version": "v2", "filled": dict.fromkeys(
         ("changed", "why", "gates", "affected", "rollback"), True)}, out
     card = json.loads((home / "demo" / "card.json").read_text())
