@@ -273,10 +273,11 @@ async def _answers(client: httpx.AsyncClient, replica: Replica, model: str, case
             resp = await client.post(replica.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
         if resp.status_code >= 400:
             raise GateError(f"case {case.id}: the engine answered {resp.status_code}: {resp.text[:300]}")
-        message = resp.json()["choices"][0]["message"]
+        choice = resp.json()["choices"][0]
+        message = choice["message"]
         calls = [{"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
                  for c in message.get("tool_calls") or []]
-        return Answer(text=message.get("content") or "", tool_calls=calls)
+        return Answer(text=message.get("content") or "", tool_calls=calls, finish_reason=choice.get("finish_reason"))
 
     return list(await asyncio.gather(*(one(c) for c in cases)))
 

@@ -8,8 +8,13 @@
 Each round: the agent works `sessions_per_round` sessions through the proxy (temperature 1), scores
 every answer with the rule in `proxy.demo_agent` and posts it as the session's reward; then one
 trainer update runs on exactly those rewarded steps, writes a checkpoint and asks the proxy to swap
-it into vLLM. After the last update one more round measures the final version. The end: a
-reward-per-version table, a PNG plot under ATDP_HOME/demo/, and SQL to look at what was captured.
+it into vLLM. Every candidate goes through the control plane's gates before it may serve
+(proxy.demo.gates: a held-out share of the sessions and an operator suite, scored by the same reward
+rule, replayed greedily under the serving and the candidate weights; safety counts on the same
+answers); a rejected one never serves and the next round trains from the serving version again.
+After the last update one more round measures the final version. The end: a reward-per-version
+table, each candidate's gates, the card of the last promoted version (ATDP_HOME/demo/card.md), a PNG
+plot under ATDP_HOME/demo/, and SQL to look at what was captured.
 
 Every process the demo starts leads its own process group; Ctrl-C (or SIGTERM) stops them all and
 the embedded PostgreSQL with them. The demo owns its home (default ~/.local/share/atdp/demo) and
@@ -29,6 +34,15 @@ from typing import Any
 
 from proxy.config import read_settings
 from proxy.demo.board import SQL_REWARD_PER_VERSION, Board, Swap, has_views, merge_stats, plot, report
+from proxy.demo.gates import (
+    EvalSuite,
+    GateRound,
+    card_fields_filled,
+    final_card,
+    held_out_count,
+    read_card,
+    set_policy,
+)
 from proxy.demo.home import (
     DemoError,
     Processes,
@@ -62,6 +76,15 @@ class DemoConfig:
     ppo_epochs: int = 1
     lora_r: int = 0
     seed: int = 0
+    # The gates (proxy.demo.gates): suite cases, the share of sessions held out from the trainer, the
+    # cap on replayed cases per gate (suite first, then the newest held-out steps), cases in flight.
+    eval_cases: int = 16
+    eval_holdout: float = 0.25
+    eval_max_cases: int = 48
+    eval_concurrency: int = 8
+    # Asked for, so the card says what happened to it: with the demo's one vLLM replica the canary
+    # gate is skipped (a canary needs a second replica group) and a passing candidate serves at once.
+    canary_fraction: float = 0.5
     home: Path | None = None  # None: $ATDP_HOME, else ~/.local/share/atdp/demo
     vllm_python: str | None = None
     start_timeout_s: float = 600.0
@@ -182,7 +205,13 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         proxy_url = f"http://127.0.0.1:{port}"
         env = child_env(home, ATDP_ADMIN_KEY=admin_key, ATDP_OPEN_MODE="1", ATDP_HOST="127.0.0.1",
                         ATDP_PORT=str(port), ATDP_UPSTREAM_URL=vllm.base_url, ATDP_TOKENIZER=str(model_dir),
-                        ATDP_DEFAULT_TENANT=TENANT, ATDP_PROXY_URL=proxy_url)
+                        ATDP_DEFAULT_TENANT=TENANT, ATDP_PROXY_URL=proxy_url, ATDP_EVAL_SUITES=str(out / "suites"),
+                        ATDP_EVAL_MAX_CASES=str(cfg.eval_max_cases), ATDP_EVAL_MAX_TOKENS=str(cfg.max_tokens),
+                        ATDP_EVAL_CONCURRENCY=str(cfg.eval_concurrency), ATDP_CANARY_FRACTION=str(cfg.canary_fraction))
+        n_tasks = cfg.sessions_per_round // cfg.group_size
+        rounds_tasks = [task for r in range(cfg.rounds + 1) for task in make_tasks(n_tasks, seed=cfg.seed, round_no=r)]
+        suite = EvalSuite.create(out / "suites", n_cases=cfg.eval_cases, seed=cfg.seed, max_tokens=cfg.max_tokens,
+                                 exclude=rounds_tasks)
         procs.spawn("proxy", [python, "-m", "proxy.cli", "serve", "--log-level", "warning"], env, out / "proxy.log")
         wait_until("vLLM", lambda: _healthy(vllm.base_url + "/health"), timeout=cfg.start_timeout_s, procs=procs,
                    alive=("vllm", "proxy"))
@@ -192,10 +221,13 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         timings["proxy_ready"] = time.monotonic() - t
         board.note(f"vLLM ({SERVED[cfg.model]}) and the proxy are up in {timings['proxy_ready']:.0f} s; "
                    f"serving {version}; logs in {out}")
+        set_policy(proxy_url, admin_key, TENANT, {"eval_holdout": cfg.eval_holdout})
+        board.note(f"gates: {cfg.eval_cases} suite cases + held-out sessions ({cfg.eval_holdout:.0%} of each round's, "
+                   f"never trained on), scored by the reward rule; at most {cfg.eval_max_cases} cases per candidate")
+        gate_rounds: list[GateRound] = []
 
         agent = AgentConfig(proxy_url=proxy_url, model=SERVED[cfg.model], attempts_per_task=cfg.group_size,
                             concurrency=cfg.concurrency, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-        n_tasks = cfg.sessions_per_round // cfg.group_size
         for round_no in range(cfg.rounds + 1):
             measuring_only = round_no == cfg.rounds
             board.phase(f"round {round_no + 1}/{cfg.rounds + 1}: the agent works {cfg.sessions_per_round} "
@@ -212,9 +244,12 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
             if measuring_only:
                 break
             procs.check("vllm", "proxy")
+            suite.add_rules(tasks)  # the round's held-out sessions are scored by their task's rule
+            held = held_out_count(url, TENANT, cfg.eval_holdout, [a.session_id for a in attempts if a.score is not None])
 
             t = time.monotonic()
-            board.phase(f"training: one update on {rewarded} rewarded sessions, then the swap")
+            board.phase(f"training: one update on {rewarded - held} rewarded sessions ({held} held out for the "
+                        "gates), then the gates")
             trainer_env = {k: v for k, v in env.items() if k != "ATDP_ADMIN_KEY"} | {"ATDP_TRAINER_KEY": trainer_key}
             child = procs.spawn(f"trainer-{round_no + 1}", trainer_command(cfg, python, proxy_url, rewarded),
                                 trainer_env, out / "trainer.log")
@@ -233,6 +268,13 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
                                 f"{tail(child.log_path)}")
             board.swap(Swap(metrics.get("version", "?"), metrics.get("swap_status", "?"), train_s,
                             metrics.get("swap_seconds"), metrics.get("loss")))
+            card = read_card(url, metrics["version"]) if metrics.get("version") else None
+            if card is not None:
+                gate_rounds.append(GateRound.from_card(card))
+                for line in gate_rounds[-1].lines():
+                    board.note(f"  {gate_rounds[-1].version} {line}")
+                if gate_rounds[-1].seconds is not None:
+                    timings[f"round{round_no}_gates"] = gate_rounds[-1].seconds
             version = serving_version(proxy_url, admin_key) or version
 
         board.phase("done: reading the store")
@@ -243,6 +285,14 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         board.close()
         timings["total"] = board.elapsed()
         report(board, rows, stored, png, url, home, views)
+        promoted, card_md, card = final_card(url, out)
+        filled = card_fields_filled(card) if card else {}
+        board.console.print()
+        board.console.print(f"The card of the last promoted version ({promoted or 'none'}), as `atdp versions show "
+                            f"{promoted or 'NAME'}` prints it; also in {out / 'card.md'}:", markup=False, soft_wrap=True)
+        board.console.print(card_md, markup=False, soft_wrap=True)
+        board.console.print("card fields filled from this run: " + ", ".join(f"{k} {'yes' if v else 'NO'}"
+                            for k, v in filled.items()), markup=False, soft_wrap=True)
         (out / "summary.json").write_text(json.dumps({
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "versions": [{"version": r.name, "sessions": r.sessions, "mean_reward": r.mean, "stderr": r.stderr,
@@ -250,6 +300,8 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
                          for r in rows],
             "stored": [{k: (float(v) if k == "mean_reward" else v) for k, v in r.items()} for r in stored],
             "swaps": [s.__dict__ for s in board.swaps],
+            "gates": [g.as_dict() for g in gate_rounds],
+            "card": {"version": promoted, "filled": filled},
             "timings_s": {k: round(v, 1) for k, v in timings.items()},
         }, indent=1) + "\n")
         status = 0
@@ -306,7 +358,8 @@ def cmd_demo(args) -> int:
     cfg = DemoConfig(
         model=args.model, rounds=args.rounds, sessions_per_round=args.sessions_per_round, group_size=args.group_size,
         concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr,
-        ppo_epochs=args.ppo_epochs, lora_r=args.lora_r, seed=args.seed, home=home, vllm_python=args.vllm_python or settings.vllm_python,
+        ppo_epochs=args.ppo_epochs, lora_r=args.lora_r, seed=args.seed, home=home,
+        eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, vllm_python=args.vllm_python or settings.vllm_python,
     )
 
     def terminate(signum, frame):  # SIGTERM cleans up like Ctrl-C
@@ -331,6 +384,10 @@ def register(sub) -> None:
     p.add_argument("--ppo-epochs", type=int, default=d.ppo_epochs)
     p.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank (0: full fine-tuning)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-cases", type=int, default=d.eval_cases, help="the gates' operator-suite cases")
+    p.add_argument("--eval-holdout", type=float, default=d.eval_holdout,
+                   help="share of sessions held out from the trainer for the gates (0 to 0.5)")
+    p.add_argument("--eval-max-cases", type=int, default=d.eval_max_cases, help="cases replayed per candidate")
     p.add_argument("--home", help="the demo's home (default $ATDP_HOME, else ~/.local/share/atdp/demo)")
     p.add_argument("--vllm-python", help="python of the vLLM environment (default: scripts/vllm_env.sh's)")
     p.add_argument("--psql", nargs="?", const="", metavar="SQL",

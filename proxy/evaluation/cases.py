@@ -48,6 +48,7 @@ class EvalCase:
 class Answer:
     text: str
     tool_calls: list[dict] = field(default_factory=list)  # {"name", "arguments" (a JSON string)}
+    finish_reason: str | None = None  # the engine's ("stop", "length": cut at max_tokens, ...), when known
 
 
 @dataclass(frozen=True)

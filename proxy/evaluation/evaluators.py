@@ -83,7 +83,8 @@ def command(case: EvalCase, answer: Answer) -> float:
     argv = shlex.split(case.expected) if isinstance(case.expected, str) else case.expected
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise EvaluatorError(f"case {case.id}: 'command' needs a program (argv list or string) in 'expected'")
-    payload = json.dumps({"case": case.public(), "answer": {"text": answer.text, "tool_calls": answer.tool_calls}})
+    payload = json.dumps({"case": case.public(), "answer": {"text": answer.text, "tool_calls": answer.tool_calls,
+                                                      "finish_reason": answer.finish_reason}})
     try:
         done = subprocess.run(argv, input=payload, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
                               check=False)

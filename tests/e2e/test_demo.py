@@ -58,6 +58,33 @@ def test_reward_rule():
     assert score(task, "The answer is 19.", truncated=False).words == 4
 
 
+# --- the gates' evaluation set ---------------------------------------------------------------------
+
+
+def test_gate_suite_and_evaluator_score_replays_with_the_reward_rule(tmp_path):
+    from proxy.demo.gates import EVALUATOR, EvalSuite
+    from proxy.evaluation.cases import Answer, load_suites
+    from proxy.evaluation.evaluators import Registry
+
+    round_tasks = make_tasks(3, seed=0, round_no=0)
+    suite = EvalSuite.create(tmp_path, n_cases=5, seed=0, max_tokens=24, exclude=round_tasks)
+    suite.add_rules(round_tasks)
+    loaded = load_suites(tmp_path, max_tokens=128)
+    assert len(loaded.cases) == 5 and {c.tenant for c in loaded.cases} == {"demo"}
+    assert not {c.request["messages"][0]["content"] for c in loaded.cases} & {t.prompt for t in round_tasks}
+    assert all(c.request["max_tokens"] == 24 and c.evaluator == EVALUATOR for c in loaded.cases)
+    assert sorted(loaded.rules) == sorted(t.id for t in round_tasks)
+    assert not list(tmp_path.glob("*.tmp"))
+
+    case = loaded.cases[0]
+    answer = case.expected["answer"]
+    r = Registry()
+    assert r.score(case, Answer(f"{answer}.", finish_reason="stop")) == 1.0
+    assert r.score(case, Answer(f"{answer + 1}", finish_reason="stop")) == WRONG_NUMBER
+    assert r.score(case, Answer(f"{answer}", finish_reason="length")) == 0.0  # cut at max_tokens
+    assert r.score(case, Answer("The answer is 3.")) == pytest.approx(0.5 * (1 - 4 / BREVITY_WORDS))
+
+
 # --- the home --------------------------------------------------------------------------------------
 
 
@@ -117,7 +144,8 @@ def _assert_all_stopped(home: Path) -> None:
 @pytest.mark.slow
 def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     home = tmp_path / "home"
-    proc = _demo(home, "--rounds", "2")
+    # 40% held out: the second gate draws on 16 sessions, none of them held out with odds 0.6^16.
+    proc = _demo(home, "--rounds", "2", "--eval-cases", "4", "--eval-holdout", "0.4")
     try:
         out, _ = proc.communicate(timeout=900)
     finally:
@@ -134,6 +162,21 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     for live, stored in zip(summary["versions"], summary["stored"], strict=True):
         assert live["mean_reward"] == pytest.approx(stored["mean_reward"])
     assert [s["status"] for s in summary["swaps"]] == ["serving", "serving"]
+    # Each candidate went through the gates: replay (suite + held-out cases) and safety ran, the
+    # canary was asked for and skipped (one replica); the last promoted version's card is filled.
+    assert [g["version"] for g in summary["gates"]] == ["v1", "v2"], out
+    for g in summary["gates"]:
+        assert g["replay_state"] == "passed" and g["safety_state"] == "passed", g
+        assert g["suite_cases"] == 4 and g["cases"] == g["suite_cases"] + g["held_out_cases"]
+        assert g["canary_state"] == "skipped" and g["status"] == "serving"
+    assert summary["gates"][-1]["held_out_cases"] > 0
+    assert summary["card"] == {"version": "v2", "filled": dict.fromkeys(
+        ("changed", "why", "gates", "affected", "rollback"), True)}, out
+    card = json.loads((home / "demo" / "card.json").read_text())
+    assert card["version"]["name"] == "v2" and card["changed"]["parent"] == "v1"
+    assert card["rollback"]["restores"] == "v1" and card["affected"]["sessions"] == 8
+    assert (home / "demo" / "card.md").read_text().startswith("# Version v2 (serving)")
+    assert "replay [passed]" in out and "# Version v2 (serving)" in out
     png = home / "demo" / "reward_per_version.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "reward per version" in out and "atdp demo --psql" in out and "SELECT" in out
@@ -146,6 +189,16 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
                        timeout=120)
     assert q.returncode == 0, q.stderr
     assert "24" in q.stdout
+    # The gate rows in the store: each candidate's replay and safety gates finished as passed, the
+    # canary skipped.
+    q = subprocess.run([sys.executable, "-m", "proxy.cli", "demo", "--home", str(home), "--psql",
+                        "SELECT v.name || ':' || g.gate || ':' || g.state || ':' || (g.finished_at IS NOT NULL) "
+                        "FROM version_gates g JOIN model_versions v ON v.id = g.version_id ORDER BY 1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0, q.stderr
+    rows = [x.strip() for x in q.stdout.splitlines() if x.strip().startswith("v")]
+    assert rows == [f"{v}:{g}:{s}:true" for v in ("v1", "v2")
+                    for g, s in (("canary", "skipped"), ("replay_eval", "passed"), ("safety", "passed"))], q.stdout
     assert not (home / "pg" / "postmaster.pid").exists()
 
 
