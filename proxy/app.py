@@ -37,6 +37,7 @@ from proxy.sessions import ContinuationIndex, StepLink
 from proxy.state import AppState
 from proxy.store import db
 from proxy.store import tables as t
+from proxy.store.links import LinkStore
 from proxy.upstream import ReplicaPool, make_client, make_session
 
 log = logging.getLogger("atdp.app")
@@ -108,6 +109,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             tasks.append(asyncio.create_task(_refresh_keys(state)))
             tasks.append(asyncio.create_task(canary.resume(state, swaps)))
             tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
+        if connect_db and settings.shared_links:
+            tasks.append(asyncio.create_task(_purge_links(state)))
         if settings.retention_interval_s > 0:
             tasks.append(asyncio.create_task(admin.retention_loop(state, settings.retention_interval_s)))
         gc.collect()
@@ -120,6 +123,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
                 task.cancel()
             if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.control.canary)
                 swaps.canary_task.cancel()
+            if state.links is not None:
+                await state.links.close()
             await state.client.aclose()
             await state.http.close()
             await asyncio.to_thread(store.flush)  # stored responses go to the writer before it drains
@@ -260,6 +265,8 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
         try:
             url = db.database_url(settings)
             db.upgrade(url)
+            if settings.shared_links:
+                state.links = LinkStore(url, ttl_s=settings.session_ttl_s, timeout_s=settings.shared_timeout_s)
             engine = db.make_engine(url)
             state.engine = engine
             state.factory = db.session_factory(engine)
@@ -276,6 +283,17 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             log.warning("database not ready (%s: %s); serving anyway, steps go to the spool", type(e).__name__, e)
             if state.stopping.wait(2.0):
                 return
+
+
+async def _purge_links(state: AppState) -> None:
+    """Continuation keys live as long as the session window (every proxy purges; it is idempotent)."""
+    while not state.stopping.is_set():
+        await asyncio.sleep(600.0)
+        if state.links is not None:
+            try:
+                await state.links.purge()
+            except Exception as e:  # the database is away: next round
+                log.warning("continuation keys not purged (%s)", e)
 
 
 async def _refresh_keys(state: AppState) -> None:

@@ -25,6 +25,7 @@ from proxy.providers import RouteTable
 from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess
 from proxy.sessions import ContinuationIndex
+from proxy.store.links import LinkStore
 from proxy.upstream import ReplicaPool
 
 
@@ -46,6 +47,7 @@ class AppState:
     misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
     stopping: threading.Event = field(default_factory=threading.Event)  # set when the app shuts down
     canary: CanaryRouter = field(default_factory=CanaryRouter)  # gate 3's routing; its factory is set on connect
+    links: LinkStore | None = None  # continuation keys shared with other proxies; set on connect
 
     async def authenticate(self, request: Request, *, admin: bool = False) -> Principal:
         key = key_from_headers(request.headers)
