@@ -95,7 +95,8 @@ class LinkStore:
                 batch, self._pending = self._pending, []
                 if not batch:
                     continue
-                rows = [r for rs, _ in batch for r in rs]
+                # One row per key (the latest wins, as in memory): an upsert may not touch a row twice.
+                rows = list({(r.hash, r.kind): r for rs, _ in batch for r in rs}.values())
                 ok = True
                 try:
                     if conn is None or conn.closed:

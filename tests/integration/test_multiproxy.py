@@ -160,3 +160,20 @@ def test_database_gone_costs_a_bounded_wait_and_links_locally(start_proxy, fake_
     a.flush()
     steps = a.steps(factory, r1.headers["x-atdp-session-id"])
     assert [s.parent_step_id for s in steps] == [None, r1.headers["x-atdp-step-id"]]
+
+
+def test_identical_calls_at_once_publish_without_conflict(start_proxy, fake_upstream, factory):
+    """Parallel samples of one input finish together: their keys share one group commit, which must
+    hold each key once (an upsert cannot touch a row twice); none of them is lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, b = two_proxies(start_proxy, fake_upstream)
+    msgs = [{"role": "system", "content": "parallel"}, {"role": "user", "content": "same input"}]
+    with ThreadPoolExecutor(16) as ex:
+        raws = list(ex.map(lambda _: sdk(a).chat.completions.with_raw_response.create(model="fake", messages=msgs),
+                           range(16)))
+    assert a.state.links is not None and a.state.links.failures == 0
+    sessions = {r.headers["x-atdp-session-id"] for r in raws}
+    # A retry of that input on the other proxy joins the same session as the samples.
+    again = sdk(b).chat.completions.with_raw_response.create(model="fake", messages=msgs)
+    assert again.headers["x-atdp-session-id"] in sessions
