@@ -107,7 +107,7 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
     hashes = prefix_hashes(principal.tenant, keys)
     session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session, body=body,
                             hashes=hashes, index=state.index)
-    if state.links is not None and (wanted := _unknown_keys(cont, hashes, messages)):
+    if state.links is not None and (wanted := _unknown_keys(cont, session, hashes, messages)):
         rows = await state.links.lookup(wanted)
         if rows:
             state.index.learn(rows)
@@ -123,13 +123,13 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
     )
 
 
-def _unknown_keys(cont: Continuation, hashes: list[str], messages: list[Any]) -> list[str]:
+def _unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any]) -> list[str]:
     """The keys to ask the database for (other proxies' steps); [] when memory already has the answer.
 
     Nothing known: every key (a new conversation pays one read). A parent known: only when a model
     output comes after it in the history, i.e. a later turn this proxy did not serve may be the real
     parent; a client's usual next call (outputs, then its tool results or a user turn) costs no query."""
-    if cont.parent is None:
+    if cont.parent is None and session.source != "continuation":  # (a sibling of a first step: known)
         return hashes
     return [hashes[j] for j in range(cont.history_len, len(hashes) - 1) if _is_output(messages[j])]
 

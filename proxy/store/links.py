@@ -66,6 +66,7 @@ class LinkStore:
         self._idle: asyncio.Queue[psycopg.AsyncConnection] | None = None
         self._opened = 0
         self.failures = 0  # publishes or lookups that failed or timed out (the call went on without them)
+        self.lookups = 0  # reads on the request path (calls whose parent this proxy's memory did not know)
 
     async def _connect(self) -> psycopg.AsyncConnection:
         conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True, connect_timeout=5)
@@ -134,6 +135,7 @@ class LinkStore:
         """The stored keys among `hashes` (within the session window); [] when the database fails."""
         if not hashes:
             return []
+        self.lookups += 1
         try:
             return await asyncio.wait_for(self._lookup(hashes), self.timeout_s)
         except (TimeoutError, psycopg.Error, OSError) as e:

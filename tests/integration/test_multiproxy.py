@@ -177,3 +177,19 @@ def test_identical_calls_at_once_publish_without_conflict(start_proxy, fake_upst
     # A retry of that input on the other proxy joins the same session as the samples.
     again = sdk(b).chat.completions.with_raw_response.create(model="fake", messages=msgs)
     assert again.headers["x-atdp-session-id"] in sessions
+
+
+def test_a_call_memory_links_costs_no_read(start_proxy, fake_upstream):
+    """The database is read only when this proxy's memory does not know a call's parent: a new
+    conversation reads once; its next turns on the same proxy, and the same input again, never."""
+    (a,) = [start_proxy([fake_upstream.url])]
+    assert a.state.links is not None
+    client = sdk(a)
+    msgs = [{"role": "system", "content": "local"}, {"role": "user", "content": "t0"}]
+    for turn in range(4):
+        text = client.chat.completions.create(model="fake", messages=msgs).choices[0].message.content
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"t{turn + 1}"}]
+    assert a.state.links.lookups == 1
+    for _ in range(3):  # the same first input again: a sibling, known from memory
+        client.chat.completions.create(model="fake", messages=msgs[:2])
+    assert a.state.links.lookups == 1
