@@ -155,6 +155,8 @@ class Settings(BaseSettings):
     # Continuation keys shared with every proxy on the database (proxy.store.links): one cheap insert per
     # call before its answer ends, one read when a call's parent is not in this proxy's memory.
     shared_links: bool = True
+    # Swaps close every proxy's gate (proxy.control.swapbus: advisory locks, LISTEN/NOTIFY).
+    shared_swaps: bool = True
     shared_timeout_s: float = Field(default=0.5, gt=0.0)  # the most either costs a call
     # How long a proxy waits for a `previous_response_id` another proxy served to reach the database
     # (only a miss waits: the answer would otherwise be a 404).
