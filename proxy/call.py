@@ -126,11 +126,13 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
 def _unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any]) -> list[str]:
     """The keys to ask the database for (other proxies' steps); [] when memory already has the answer.
 
-    Nothing known: every key (a new conversation pays one read). A parent known: only when a model
+    Nothing known: every key when the history holds a model output (a first call costs no read). A parent known: only when a model
     output comes after it in the history, i.e. a later turn this proxy did not serve may be the real
     parent; a client's usual next call (outputs, then its tool results or a user turn) costs no query."""
     if cont.parent is None and session.source != "continuation":  # (a sibling of a first step: known)
-        return hashes
+        # Every stored transcript ends with a model output: a call with none in its history can
+        # only be a retry of a first call, which is not worth a read on every first call.
+        return hashes if any(_is_output(m) for m in messages[:-1]) else []
     return [hashes[j] for j in range(cont.history_len, len(hashes) - 1) if _is_output(messages[j])]
 
 

@@ -43,7 +43,7 @@ def stored_steps(factory, tenant: str) -> int:
 
 def two_proxies(start_proxy, fake_upstream, **overrides):
     tenant = f"t-{uuid.uuid4().hex[:8]}"
-    return [start_proxy([fake_upstream.url], tenant=tenant, **overrides) for _ in range(2)]
+    return [start_proxy([fake_upstream.url], tenant=tenant, shared_links=True, **overrides) for _ in range(2)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -145,7 +145,7 @@ def test_unknown_previous_response_waits_then_404(start_proxy, fake_upstream):
 
 def test_database_gone_costs_a_bounded_wait_and_links_locally(start_proxy, fake_upstream, factory):
     """Publishing and lookups that fail leave the call answered and linked from the proxy's memory."""
-    (a,) = [start_proxy([fake_upstream.url])]
+    (a,) = [start_proxy([fake_upstream.url], shared_links=True)]
     assert a.state.links is not None
     a.state.links.url = "postgresql://postgres@127.0.0.1:1/none"  # a port nothing listens on
     client = sdk(a)
@@ -174,22 +174,29 @@ def test_identical_calls_at_once_publish_without_conflict(start_proxy, fake_upst
                            range(16)))
     assert a.state.links is not None and a.state.links.failures == 0
     sessions = {r.headers["x-atdp-session-id"] for r in raws}
-    # A retry of that input on the other proxy joins the same session as the samples.
-    again = sdk(b).chat.completions.with_raw_response.create(model="fake", messages=msgs)
+    # Their next turn on the other proxy joins one of their sessions.
+    msgs2 = [*msgs, {"role": "assistant", "content": raws[0].parse().choices[0].message.content},
+             {"role": "user", "content": "next"}]
+    again = sdk(b).chat.completions.with_raw_response.create(model="fake", messages=msgs2)
     assert again.headers["x-atdp-session-id"] in sessions
 
 
 def test_a_call_memory_links_costs_no_read(start_proxy, fake_upstream):
-    """The database is read only when this proxy's memory does not know a call's parent: a new
-    conversation reads once; its next turns on the same proxy, and the same input again, never."""
-    (a,) = [start_proxy([fake_upstream.url])]
+    """The database is read only when this proxy's memory does not know a call's parent and the
+    history holds a model output: a first call, its next turns on the same proxy and the same input
+    again never read."""
+    (a,) = [start_proxy([fake_upstream.url], shared_links=True)]
     assert a.state.links is not None
     client = sdk(a)
     msgs = [{"role": "system", "content": "local"}, {"role": "user", "content": "t0"}]
     for turn in range(4):
         text = client.chat.completions.create(model="fake", messages=msgs).choices[0].message.content
         msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"t{turn + 1}"}]
-    assert a.state.links.lookups == 1
+    assert a.state.links.lookups == 0
     for _ in range(3):  # the same first input again: a sibling, known from memory
         client.chat.completions.create(model="fake", messages=msgs[:2])
+    assert a.state.links.lookups == 0
+    # A history this proxy never saw (another proxy's conversation, or the client's own): one read.
+    client.chat.completions.create(model="fake", messages=[*msgs[:2], {"role": "assistant", "content": "elsewhere"},
+                                                           {"role": "user", "content": "go on"}])
     assert a.state.links.lookups == 1
