@@ -25,6 +25,7 @@ from proxy.config import Settings
 from proxy.console import routes as console
 from proxy.control import admin, canary, diagnosis, feedback, gates, overview, sessions, versions
 from proxy.control.swap import Versions
+from proxy.control.swapbus import SwapBus
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
 from proxy.errors import ApiError, error_response, flavor_for_path
@@ -38,6 +39,7 @@ from proxy.sessions import ContinuationIndex, StepLink
 from proxy.state import AppState
 from proxy.store import db
 from proxy.store import tables as t
+from proxy.store.links import LinkStore
 from proxy.upstream import ReplicaPool, make_client, make_session
 
 log = logging.getLogger("atdp.app")
@@ -112,6 +114,10 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             tasks.append(asyncio.create_task(canary.resume(state, swaps)))
             tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
             tasks.append(asyncio.create_task(diagnosis.warm(state), name="atdp-diagnosis-warm"))
+        if connect_db and settings.shared_links:
+            tasks.append(asyncio.create_task(_purge_links(state)))
+        if connect_db and settings.shared_swaps:
+            tasks.append(asyncio.create_task(_start_swap_bus(state, swaps)))
         if settings.retention_interval_s > 0:
             tasks.append(asyncio.create_task(admin.retention_loop(state, settings.retention_interval_s)))
         gc.collect()
@@ -124,6 +130,10 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
                 task.cancel()
             if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.control.canary)
                 swaps.canary_task.cancel()
+            if state.links is not None:
+                await state.links.close()
+            if swaps.bus is not None:
+                await swaps.bus.close()
             await state.client.aclose()
             await state.http.close()
             await asyncio.to_thread(store.flush)  # stored responses go to the writer before it drains
@@ -264,6 +274,10 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
         try:
             url = db.database_url(settings)
             db.upgrade(url)
+            if settings.shared_links:
+                state.links = LinkStore(url, ttl_s=settings.session_ttl_s, timeout_s=settings.shared_timeout_s)
+            if settings.shared_swaps:
+                swaps.bus = SwapBus(url, state.pool, drain_timeout_s=settings.swap_drain_timeout_s)
             engine = db.make_engine(url)
             state.engine = engine
             state.factory = db.session_factory(engine)
@@ -280,6 +294,26 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             log.warning("database not ready (%s: %s); serving anyway, steps go to the spool", type(e).__name__, e)
             if state.stopping.wait(2.0):
                 return
+
+
+async def _start_swap_bus(state: AppState, swaps: Versions) -> None:
+    """Follow other proxies' swaps once the database is there (proxy.control.swapbus)."""
+    while swaps.bus is None:
+        if state.stopping.is_set():
+            return
+        await asyncio.sleep(0.05)
+    swaps.bus.start()
+
+
+async def _purge_links(state: AppState) -> None:
+    """Continuation keys live as long as the session window (every proxy purges; it is idempotent)."""
+    while not state.stopping.is_set():
+        await asyncio.sleep(600.0)
+        if state.links is not None:
+            try:
+                await state.links.purge()
+            except Exception as e:  # the database is away: next round
+                log.warning("continuation keys not purged (%s)", e)
 
 
 async def _refresh_keys(state: AppState) -> None:

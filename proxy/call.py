@@ -8,6 +8,7 @@ step to the recorder — happens here, once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, histor
 from proxy.sessions import Continuation, SessionRef, StepLink, body_hash, match_key, prefix_hashes, resolve
 from proxy.state import AppState
 from proxy.store.ids import new_id
+from proxy.store.links import LinkRow
 from proxy.translate import TranslationError
 from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import iter_sse
@@ -76,6 +78,7 @@ class Call:
     finished: bool = False
     replay_of: str | None = None
     provider: ProviderRoute | None = None  # set when the routing table sent the call to a provider
+    published: asyncio.Future[bool] | None = None  # its continuation keys, on their way to other proxies
 
     @property
     def new_messages(self) -> list[Any]:
@@ -95,16 +98,23 @@ class Call:
             self.ttft_s = time.perf_counter() - self.t0
 
 
-def begin(state: AppState, request: Request, principal: Principal, *, api: str, body: dict[str, Any], messages: list[Any],
-          system: Any = None, tools: Any = None, tool_results_of=None, params: dict[str, Any] | None = None,
-          path_session: str | None = None) -> Call:
-    """Resolve the session and parent step of a call (in memory, no I/O)."""
+async def begin(state: AppState, request: Request, principal: Principal, *, api: str, body: dict[str, Any],
+                messages: list[Any], system: Any = None, tools: Any = None, tool_results_of=None,
+                params: dict[str, Any] | None = None, path_session: str | None = None) -> Call:
+    """Resolve the session and parent step of a call: in memory, or (when this proxy's memory does
+    not know the parent) with one read of the keys other proxies published."""
     t0 = time.perf_counter()
     keys = [match_key(m) for m in messages]
     hashes = prefix_hashes(principal.tenant, keys)
     fingerprint = body_hash(principal.tenant, body)
     session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session, body=body,
                             hashes=hashes, index=state.index, fingerprint=fingerprint)
+    if state.links is not None and (wanted := _unknown_keys(cont, session, hashes, messages)):
+        rows = await state.links.lookup(wanted)
+        if rows:
+            state.index.learn(rows)
+            session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session,
+                                    body=body, hashes=hashes, index=state.index, fingerprint=fingerprint)
     new = messages[cont.history_len :]
     return Call(
         state=state, principal=principal, api=api, step_id=new_id(), session=session, continuation=cont,
@@ -113,6 +123,24 @@ def begin(state: AppState, request: Request, principal: Principal, *, api: str, 
         model=body.get("model"), client_info=_client_info(request.headers), started_at=datetime.now(UTC),
         t0=t0, start_ns=time.time_ns(),
     )
+
+
+def _unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any]) -> list[str]:
+    """The keys to ask the database for (other proxies' steps); [] when memory already has the answer.
+
+    Nothing known: every key when the history holds a model output (a first call costs no read). A parent known: only when a model
+    output comes after it in the history, i.e. a later turn this proxy did not serve may be the real
+    parent; a client's usual next call (outputs, then its tool results or a user turn) costs no query."""
+    if cont.parent is None and session.source != "continuation":  # (a sibling of a first step: known)
+        # Every stored transcript ends with a model output: a call with none in its history can
+        # only be a retry of a first call, which is not worth a read on every first call.
+        return hashes if any(_is_output(m) for m in messages[:-1]) else []
+    return [hashes[j] for j in range(cont.history_len, len(hashes) - 1) if _is_output(messages[j])]
+
+
+def _is_output(message: Any) -> bool:
+    return isinstance(message, dict) and (message.get("role") == "assistant"
+                                          or message.get("type") in ("function_call", "reasoning"))
 
 
 def _client_info(headers) -> dict[str, Any]:
@@ -222,12 +250,18 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         extended = prefix_hashes(call.principal.tenant, [match_key(m) for m in units],
                                  start=call.hashes[-1] if call.hashes else None)
         transcript_hash = extended[-1] if extended else None
+        parent = call.continuation.parent
+        parent = parent if parent and parent.step_id else None
+        rows = []
         if transcript_hash:
             call.state.index.add(transcript_hash, link)
+            rows.append(LinkRow(transcript_hash, "t", call.step_id, link.session_id))
         if call.hashes:
-            parent = call.continuation.parent
-            call.state.index.add_input(call.hashes[-1], link, parent if parent and parent.step_id else None,
-                                       call.continuation.history_len, call.body_hash)
+            call.state.index.add_input(call.hashes[-1], link, parent, call.continuation.history_len, call.body_hash)
+            rows.append(LinkRow(call.hashes[-1], "i", call.step_id, link.session_id,
+                                parent.step_id if parent else None, call.continuation.history_len))
+        if rows and call.state.links is not None:
+            call.published = call.state.links.publish(rows)
     usage = cap.usage or {}
     prompt_tokens = usage.get("prompt_tokens") or len(cap.prompt_token_ids)
     completion_tokens = usage.get("completion_tokens") or len(cap.output_token_ids)
@@ -262,6 +296,14 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         end_ns=time.time_ns(), finish_reason=cap.finish_reason, upstream=step.upstream,
         error=error_summary(error),
     )
+
+
+async def settle(call: Call) -> None:
+    """Wait (bounded) until the call's continuation keys are in the database, so the client's next
+    call finds them whichever proxy it reaches. Doors await it before the answer's last bytes."""
+    if call.published is not None and call.state.links is not None:
+        await call.state.links.settle(call.published)
+        call.published = None
 
 
 def error_summary(error: dict[str, Any] | None) -> str | None:
@@ -359,13 +401,17 @@ async def relay(call: Call, resp: Answer, translator: Translator, fail: Callable
                 yield b"".join(events)
         else:
             status, error = "ok", None
-            yield b"".join(translator.finish())
+            last = b"".join(translator.finish())  # completes the translator's output first
+            done(status, error)  # records the call and publishes its keys ...
+            await settle(call)  # ... which are in the database before the client's last event
+            yield last
     except UpstreamError as e:
         status, error = "error", {"type": "upstream_error", "message": e.message}
         yield b"".join(fail(e.message))
     finally:
         try:
-            done(status, error)
+            if not call.finished:
+                done(status, error)
         finally:
             await close_upstream(call, resp)
 

@@ -161,6 +161,17 @@ class Settings(BaseSettings):
     # process: redaction + writes in a child process; thread: in-process
     writer_mode: str = Field(default="process", validation_alias=_env("writer", "writer_mode"))
     response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations are kept (sealed)
+    # Continuation keys shared with every proxy on the database (proxy.store.links): one insert per call
+    # before its answer ends, one read when a call's parent is not in this proxy's memory. Off by
+    # default (a single proxy does not need it and it costs each call a round trip): set it on every
+    # proxy of a deployment that runs several.
+    shared_links: bool = False
+    # Swaps close every proxy's gate (proxy.control.swapbus: advisory locks, LISTEN/NOTIFY).
+    shared_swaps: bool = True
+    shared_timeout_s: float = Field(default=0.5, gt=0.0)  # the most either costs a call
+    # How long a proxy waits for a `previous_response_id` another proxy served to reach the database
+    # (only a miss waits: the answer would otherwise be a 404).
+    response_wait_s: float = Field(default=2.0, ge=0.0)
     # The routing table (see UpstreamRoute): model names or patterns -> the vLLM replicas or a
     # LiteLLM provider model. Empty: every call goes to the replicas, and LiteLLM is never imported.
     routes: list[UpstreamRoute] = Field(default_factory=list)

@@ -27,7 +27,7 @@ log = logging.getLogger("atdp.http")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 # A door's handler: (request, parsed body, call_begin) -> response; call_begin binds session and principal.
-CallBegin = Callable[..., calls.Call]
+CallBegin = Callable[..., Awaitable[calls.Call]]
 Handler = Callable[[Request, Any, CallBegin], Awaitable[Response]]
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -142,8 +142,8 @@ def door(state: AppState, handler: Handler) -> Endpoint:
         path_session = request.path_params.get("session_id")
         begun: list[calls.Call] = []
 
-        def call_begin(api: str, b: dict[str, Any], messages: list[Any], **kw: Any) -> calls.Call:
-            call = calls.begin(state, request, principal, api=api, body=b, messages=messages,
+        async def call_begin(api: str, b: dict[str, Any], messages: list[Any], **kw: Any) -> calls.Call:
+            call = await calls.begin(state, request, principal, api=api, body=b, messages=messages,
                                path_session=path_session, **kw)
             begun.append(call)
             return call

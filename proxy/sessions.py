@@ -6,7 +6,9 @@ Order: `X-ATDP-Session-Id`; the `/s/{id}/v1/...` path; client-native ids (Claude
 start with an earlier step's input + output joins that step's session as its child.
 
 Continuation uses rolling hashes of normalised messages ("match keys"), so finding the parent is
-O(messages) dict lookups, in memory, never a database query on the request path. A call whose input
+O(messages) dict lookups in memory. Several proxies on one database share the keys through
+`continuation_links` (proxy.store.links): a call whose parent this proxy's memory does not know is
+looked up there once (`ContinuationIndex.learn`), and a call the memory links costs no query. A call whose input
 equals an earlier call's is linked to it (a sibling: a retry, or a parallel sample) only when the
 whole request body is identical and the earlier call ended within the retry window (30 s by
 default): two independent runs that open with the same system prompt and first message are two
@@ -27,6 +29,7 @@ from proxy.record.capture import SessionRef
 from proxy.shapes import id_problem, session_id_problem
 from proxy.store.content import chain_hash
 from proxy.store.ids import new_id
+from proxy.store.links import LinkRow
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,16 @@ class ContinuationIndex:
             del self._by_input[key]
             n += 1
         return n
+
+    def learn(self, rows: list[LinkRow]) -> None:
+        """Keys another proxy published (proxy.store.links); what this memory already holds wins."""
+        for r in rows:
+            link = StepLink(step_id=r.step_id, session_id=r.session_id)
+            if r.kind == "t" and r.hash not in self._by_transcript:
+                self.add(r.hash, link)
+            elif r.kind == "i" and r.hash not in self._by_input:
+                parent = StepLink(step_id=r.parent_step_id, session_id=r.session_id) if r.parent_step_id else None
+                self.add_input(r.hash, link, parent, r.history_len)
 
     def find(self, hashes: list[str], session_id: str | None, body_hash: str = "") -> Continuation:
         """The longest earlier transcript that is a strict prefix of this call's messages."""

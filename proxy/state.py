@@ -27,6 +27,7 @@ from proxy.providers import RouteTable
 from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess
 from proxy.sessions import ContinuationIndex
+from proxy.store.links import LinkStore
 from proxy.upstream import ReplicaPool
 
 
@@ -52,6 +53,7 @@ class AppState:
     # Called after a forget with (tenant, forgotten step ids, whole tenant?): caches the doors keep
     # (the Responses door's recent conversations) drop what links to forgotten sessions.
     forget_hooks: list[Callable[[str, set[str], bool], None]] = field(default_factory=list)
+    links: LinkStore | None = None  # continuation keys shared with other proxies; set on connect
 
     async def authenticate(self, request: Request, *, admin: bool = False, scope: str | None = None) -> Principal:
         """Who calls. `admin`: the route needs the admin key, or a scoped key covering `scope`;

@@ -96,6 +96,17 @@ class Replica:
     def alive(self) -> bool:
         return time.monotonic() >= self.dead_until
 
+    def close_gate(self) -> None:
+        """New calls wait (or go to another open replica); another proxy is swapping this replica."""
+        self._open.clear()
+
+    def open_gate(self) -> None:
+        self._open.set()
+
+    async def drained(self, timeout_s: float) -> None:
+        """Wait until no call of this process is in flight on the replica (TimeoutError after `timeout_s`)."""
+        await asyncio.wait_for(self._drained.wait(), timeout_s)
+
     def mark_dead(self, seconds: float = 2.0) -> None:
         self.failures += 1
         # Back off longer for a replica that keeps failing, up to 30 s.

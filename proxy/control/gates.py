@@ -189,7 +189,7 @@ async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -
     timeout = settings.upstream_timeout_s
     # The serving weights answer first, with the replica open (its weights do not change).
     base_answers = await _answers(client, replica, model, evalset.cases, headers, timeout, settings.eval_concurrency)
-    async with pool.swapping(replica, versions.drain_timeout_s):
+    async with versions.driving(), versions.closed(replica):  # every proxy's gate, when several share the database
         try:
             await load_weights(client, replica, target.checkpoint, target.name, headers=headers,
                                timeout_s=versions.load_timeout_s)

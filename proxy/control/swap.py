@@ -11,10 +11,11 @@ one) is reloaded with the previous checkpoint: the old version keeps serving eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +25,7 @@ from sqlalchemy.exc import IntegrityError
 
 from atdp_schema.models import VersionStatus
 from proxy import telemetry
+from proxy.control.swapbus import Driver, SwapBus
 from proxy.errors import ApiError
 from proxy.governance.tokens import find_tokenizer
 from proxy.state import AppState
@@ -75,6 +77,42 @@ class Versions:
         self.load_timeout_s = state.settings.swap_load_timeout_s
         self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
         self.canary_task: asyncio.Task | None = None  # the running canary's monitor (proxy.control.canary)
+        self.bus: SwapBus | None = None  # swaps across the proxies on this database (set on connect)
+        self._driver: Driver | None = None  # while this proxy drives a swap
+
+    @contextlib.asynccontextmanager
+    async def driving(self) -> AsyncIterator[None]:
+        """Be the one proxy on this database that swaps (SwapBusy when another one is)."""
+        bus = self.bus
+        if bus is None or not bus.ready.is_set() or self._driver is not None:
+            yield
+            return
+        async with bus.driving() as driver:
+            self._driver = driver
+            try:
+                yield
+            finally:
+                self._driver = None
+
+    @contextlib.asynccontextmanager
+    async def closed(self, replica: Replica) -> AsyncIterator[Replica]:
+        """`replica`'s gate closed and drained on this proxy and, while driving, on every proxy; on
+        leaving, every proxy reopens it stamping `replica.version` (what the body left there)."""
+        async with self.state.pool.swapping(replica, self.drain_timeout_s):
+            driver = self._driver
+            if driver is None:
+                yield replica
+                return
+            try:
+                await driver.close(replica)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await driver.open(replica)
+                raise
+            try:
+                yield replica
+            finally:
+                await driver.open(replica)
 
     def start_gates(self, target: VersionRef, run: Callable[[], Coroutine[Any, Any, dict[str, Any] | None]]
                     ) -> asyncio.Task:
@@ -202,19 +240,25 @@ class Versions:
         failure restore `previous` (default: the serving version) on each replica touched. Returns
         {"ok", "error", "seconds", "replicas": [...]}; the caller records statuses. `becomes_current`:
         `target` is then the serving version (not for a canary's group)."""
-        state = self.state
-        pool, client, headers = state.pool, state.client, state.pool.auth_headers
-        assert client is not None, "the app is not started"
+        assert self.state.client is not None, "the app is not started"
         previous = previous or self.current
         if previous is None:
             raise ApiError(503, "the serving version is not known yet; try again shortly")
+        async with self.driving():  # SwapBusy (409) when another proxy swaps: nothing was touched
+            return await self._swap(target, replicas, previous, becomes_current)
+
+    async def _swap(self, target: VersionRef, replicas: list[Replica] | None, previous: VersionRef,
+                    becomes_current: bool) -> dict[str, Any]:
+        pool = self.state.pool
+        client, headers = self.state.client, pool.auth_headers
+        assert client is not None
         t0 = time.perf_counter()
         done: list[Replica] = []
         timings: list[dict[str, Any]] = []
         try:
             for replica in pool.replicas if replicas is None else replicas:
                 t_gate = time.perf_counter()
-                async with pool.swapping(replica, self.drain_timeout_s):
+                async with self.closed(replica):
                     t_load = time.perf_counter()
                     try:
                         await load_weights(client, replica, target.checkpoint, target.name, headers=headers,
@@ -231,7 +275,7 @@ class Versions:
         except Exception as e:
             error = f"{type(e).__name__}: {redact_url_text(str(e))}" if str(e) else f"{type(e).__name__} (drain timeout?)"
             for replica in done:
-                async with pool.swapping(replica, self.drain_timeout_s):
+                async with self.closed(replica):
                     await self.restore(replica, previous)
             telemetry.SWAPS.labels("failed").inc()
             log.error("swap to %s failed (%s); %s serves on every replica", target.name, error, previous.name)

@@ -97,7 +97,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
     """The chat door. `call_begin(api, body, messages, **kw)` resolves session and principal."""
     validate(request, body)
     messages = body["messages"]
-    call: Call = call_begin(
+    call: Call = await call_begin(
         "chat.completions", body, messages, system=_system(messages), tools=body.get("tools"),
         tool_results_of=_tool_results, params=sampling_params(body),
     )
@@ -127,6 +127,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
     parsed = await calls.read_completion(call, resp)
     msg = ((parsed.get("choices") or [{}])[0]).get("message")
     calls.finish(call, status="ok", native_output=msg)
+    await calls.settle(call)
     return Response(orjson.dumps(shaper.shape_response(parsed)), media_type="application/json",
                     headers=call.response_headers())
 
@@ -139,8 +140,7 @@ async def _stream(call: Call, resp: Answer, shaper: ChatShaper) -> AsyncIterator
         async for batch in iter_sse_batches(resp.aiter_raw()):
             out = bytearray()
             for payload in batch:
-                if payload == b"[DONE]":
-                    out += b"data: [DONE]\n\n"
+                if payload == b"[DONE]":  # held back: sent once the call is recorded (below)
                     continue
                 chunk = orjson.loads(payload)
                 if chunk.get("error"):  # vLLM reports mid-stream failures as an error chunk
@@ -157,6 +157,11 @@ async def _stream(call: Call, resp: Answer, shaper: ChatShaper) -> AsyncIterator
                 yield bytes(out)
         if status == StepStatus.aborted:
             status, error = "ok", None
+        # Record the call and publish its continuation keys before the client reads the end of the
+        # stream, so its next call finds them whichever proxy it reaches.
+        calls.finish(call, status=status, error=error, native_output=capture.assistant_message(), upstream=upstream_url)
+        await calls.settle(call)
+        yield b"data: [DONE]\n\n"
     except UpstreamError as e:
         status, error = "error", {"type": "upstream_error", "message": e.message}
         yield encode_data(error_body("openai", 502, e.message, type="upstream_error"))

@@ -62,7 +62,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
         raise translation_error(e) from None
     if not isinstance(body.get("model"), str):
         raise ApiError(400, "model: Field required")
-    call: Call = call_begin(
+    call: Call = await call_begin(
         "messages", body, body["messages"], system=body.get("system"), tools=body.get("tools"),
         tool_results_of=_tool_results, params=sampling_params(body),
     )
@@ -84,6 +84,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
     message = chat_to_message(parsed, model=model, message_id=mid, tool_names=req.tool_names)
     calls.finish(call, status="ok", native_output=message, output_units=echo_units(message),
                  tool_names=req.tool_names, upstream=upstream_url)
+    await calls.settle(call)
     return Response(orjson.dumps(message), media_type="application/json", headers=call.response_headers())
 
 

@@ -147,7 +147,16 @@ class ResponseStore:
             return hit
         if self.state.factory is None:
             raise ApiError(503, "cannot look up previous_response_id: the database is unavailable")
-        return await asyncio.to_thread(self._load, tenant, response_id)
+        found = await asyncio.to_thread(self._load, tenant, response_id)
+        # Another proxy on this database may have served it a moment ago, its sealed row still on
+        # the way through its writer: a miss waits for it (bounded), so only a 404 pays the wait.
+        deadline = time.monotonic() + (self.state.settings.response_wait_s if self.state.links is not None else 0.0)
+        delay = 0.01
+        while found is None and time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            found = await asyncio.to_thread(self._load, tenant, response_id)
+        return found
 
     # database side: a background thread
 

@@ -80,7 +80,7 @@ def handler(state: AppState, store: ResponseStore) -> Handler:
         except TranslationError as e:
             raise translation_error(e) from None
         native = history + input_items(body)
-        call: Call = call_begin(
+        call: Call = await call_begin(
             "responses", body, native, system=body.get("instructions"), tools=body.get("tools"),
             tool_results_of=_tool_results, params=sampling_params(body),
         )
@@ -107,6 +107,7 @@ def handler(state: AppState, store: ResponseStore) -> Handler:
         parsed = await read_completion(call, resp)
         response = chat_to_response(parsed, model=model, response_id=rid, request=body, tool_names=req.tool_names)
         record("ok", None, response["output"])
+        await calls.settle(call)
         return Response(orjson.dumps(response), media_type="application/json",
                         headers={**call.response_headers(), **extra_headers})
 

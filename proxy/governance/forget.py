@@ -74,6 +74,8 @@ def _forget_sessions(s: Session, tenant: str, session_ids: list[str], out: Forgo
         for version_id, n in lineage:
             out.lineage[version_id] = out.lineage.get(version_id, 0) + n
         s.execute(delete(t.VersionLineage).where(t.VersionLineage.step_id.in_(step_ids)))
+        # Continuation keys other proxies would link new calls with (proxy.store.links).
+        s.execute(delete(t.ContinuationLink).where(t.ContinuationLink.step_id.in_(step_ids)))
     out.feedback += s.execute(delete(t.Feedback).where(t.Feedback.session_id.in_(session_ids))).rowcount
     out.tool_calls += s.execute(delete(t.ToolCall).where(t.ToolCall.session_id.in_(session_ids))).rowcount
     out.stored_responses += s.execute(

@@ -307,6 +307,26 @@ class StoredResponse(Base):
     __table_args__ = (Index("ix_stored_responses_tenant", "tenant_id", "created_at"),)
 
 
+class ContinuationLink(Base):
+    """A step's continuation keys, shared by every proxy on this database (proxy.sessions).
+
+    `hash` is a rolling hash of normalised messages, seeded by the tenant: kind "t" the step's input +
+    output (what the client's next call starts with), kind "i" its input alone (a retry or a parallel
+    sample is a sibling). Written by the proxy that served the step before the client has the whole
+    answer; read by a proxy whose own memory misses. Rows older than the session window are deleted.
+    """
+
+    __tablename__ = "continuation_links"
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(1), primary_key=True)
+    step_id: Mapped[str] = mapped_column(String(36))
+    session_id: Mapped[str] = mapped_column(String(256))  # the session's public id
+    parent_step_id: Mapped[str | None] = mapped_column(String(36))
+    history_len: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    __table_args__ = (Index("ix_continuation_links_created", "created_at"),)
+
+
 class AuditEvent(Base):
     """Append-only audit trail (a trigger refuses UPDATE and DELETE)."""
 
