@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from atdp_schema.models import VersionStatus
 from proxy.store import tables as t
+from proxy.store.write import pg_safe
 
 BASE_NAME = "base"
 
@@ -117,7 +118,8 @@ def set_status(s: Session, version_id: str, status: str) -> None:
 
 def set_gate(s: Session, version_id: str, gate: str, state: str, numbers: dict[str, Any] | None = None, *,
              finished: bool = False) -> None:
-    """Insert or update one gate row of a version."""
+    """Insert or update one gate row of a version. Numbers quote model answers, which may hold NUL."""
+    numbers = pg_safe(numbers) if numbers is not None else None
     row = s.get(t.VersionGate, (version_id, gate))
     if row is None:
         row = t.VersionGate(version_id=version_id, gate=gate, state=state, numbers=numbers or {},

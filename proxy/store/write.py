@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -116,7 +117,10 @@ class StepRecord:
 
 
 def pg_safe(value: Any) -> Any:
-    """PostgreSQL text and JSONB cannot hold NUL characters; models can emit them. Store U+FFFD."""
+    """PostgreSQL text and JSONB cannot hold NUL characters; models can emit them. Store U+FFFD.
+    JSONB has no NaN or infinity either: those are stored as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if isinstance(value, str):
         return value.replace("\x00", "\ufffd") if "\x00" in value else value
     if isinstance(value, dict):
