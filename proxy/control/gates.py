@@ -85,9 +85,12 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
         for gate in GATES:
             set_gate(s, target.id, gate, GateState.pending)
 
-    await run_db(state, queue)
+    # Candidates are evaluated in the order their gates were started: the lock (FIFO) is this task's
+    # first wait, so the status write runs beside it rather than before it.
+    queued = asyncio.create_task(run_db(state, queue))
     await wait_for_canary(versions)  # one canary at a time: a running one is decided first
     async with versions.lock:
+        await queued
         def begin(s) -> None:
             for gate in GATES:
                 set_gate(s, target.id, gate, GateState.running)
