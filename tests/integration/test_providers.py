@@ -469,3 +469,24 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, timeout=180)
     assert r.returncode == 0 and r.stdout.strip() == b"ok", r.stderr.decode()[-2000:]
+
+
+def test_provider_sessions_show_up_in_the_consoles_data(routed, factory):
+    """The console's pages draw the listing and the session from these two routes (proxy/console):
+    provider steps are listed under their provider model and read back with their tool calls."""
+    start, oa, _ = routed
+    proxy = start()
+    claude_code_call(proxy, routed[2], "prov-console-cc")
+    oa.mode = "tool"
+    codex_call(proxy, "prov-console-codex")
+    proxy.flush()
+    admin = {"Authorization": "Bearer admin-test-key"}
+    for version, session in (("anthropic/claude-sonnet-4-5", "prov-console-cc"), ("openai/gpt-4o-mini", "prov-console-codex")):
+        listed = httpx.get(f"{proxy.url}/atdp/v1/sessions", params={"version": version}, headers=admin).json()
+        ids = [row.get("session_id") or row.get("id") for row in listed["data"]]
+        assert session in ids, (version, listed)
+        detail = httpx.get(f"{proxy.url}/atdp/v1/sessions/{session}", headers=admin)
+        assert detail.status_code == 200, detail.text
+        steps = detail.json()["steps"]
+        assert [s["model_version"] for s in steps] == [version]
+        assert steps[0]["action"]["tool_calls"], steps[0]["action"]  # what the timeline draws
