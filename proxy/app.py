@@ -221,6 +221,7 @@ def _healthz(state: AppState) -> Endpoint:
         return json_response({
             "status": "unavailable" if writer.problems else "ok",
             "problems": writer.problems,
+            "worker": state.settings.worker,  # which of `atdp serve --workers N` answered (0: a single proxy)
             "database": bool(state.factory is not None and r.db_ok),
             "writer": writer.as_json(),
             "writer_pending": writer.held,

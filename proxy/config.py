@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     upstream_api_key: str | None = None  # when vLLM runs with --api-key
     host: str = "127.0.0.1"
     port: int = 8700
+    # Set by `atdp serve --workers N` on each of its processes (1..N): the worker's own spool folder
+    # (a spool is drained by the process that appends to it; two on one folder would lose records).
+    worker: int = Field(default=0, ge=0)
     # --- tenancy and governance ----------------------------------------------------------------------
     # Open mode: no API key needed, every call belongs to `default_tenant`. Only on loopback.
     open_mode: bool = False
@@ -261,7 +264,7 @@ class Settings(BaseSettings):
 
     @property
     def spool_dir(self) -> Path:
-        return self.home / "spool"
+        return self.home / "spool" / f"worker-{self.worker}" if self.worker else self.home / "spool"
 
     @property
     def checkpoints_dir(self) -> Path:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 
 def cmd_serve(args) -> int:
     import logging
@@ -30,14 +32,25 @@ def cmd_serve(args) -> int:
     if args.port:
         settings.port = args.port
     check_listen_address(settings)
+    if args.workers > 1:
+        from proxy.tools.workers import supervise
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return supervise(args, settings)
     from proxy.providers import ProviderConfigError
 
     try:
         app = create_app(settings)
     except ProviderConfigError as e:
         raise SystemExit(f"atdp serve: {e}") from None
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=30)
+    if args.reuse_port:  # one of `--workers N` (proxy.tools.workers): the port is shared with the others
+        from proxy.tools.workers import listening_socket
+
+        uvicorn.Server(config).run(sockets=[listening_socket(settings.host, settings.port)])
+    else:
+        uvicorn.Server(config).run()
     return 0
 
 
@@ -46,4 +59,8 @@ def register(sub) -> None:
     p.add_argument("--host", help="listen address (ATDP_HOST; loopback unless you say otherwise)")
     p.add_argument("--port", type=int, help="listen port (ATDP_PORT)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--workers", type=int, default=1,
+                   help="proxy processes on this port (each with its writer; > 1 shares continuation links "
+                        "through PostgreSQL)")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each of --workers
     p.set_defaults(func=cmd_serve)

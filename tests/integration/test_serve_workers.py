@@ -1,0 +1,114 @@
+"""`atdp serve --workers 3`: three proxy processes on one port share PostgreSQL only (issue 17, item 1).
+
+The real command, in a subprocess, in front of a scripted upstream. A client that sends no ids
+(Hermes-shaped chat completions) opens a new connection for every call, so the kernel spreads its
+turns over the workers (the test learns which worker served a call from `/healthz` on the same
+connection). Each conversation is still one session with its parent chain. The writers hold steps
+for 2 s, so SIGTERM reaches the workers with steps not yet stored: a clean shutdown stores them all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+from sqlalchemy import func, select
+
+from proxy.store import tables as t
+from tests.fake_vllm import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+HERMES = {"User-Agent": "HermesAgent/0.4 (python)"}
+WORKERS = 3
+
+
+def start_workers(tmp_path: Path, upstream: str, url: str, tenant: str, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ATDP_HOME": str(tmp_path / "home"), "ATDP_OPEN_MODE": "1",
+           "ATDP_DEFAULT_TENANT": tenant, "ATDP_UPSTREAM_URL": upstream, "ATDP_DATABASE_URL": url,
+           "ATDP_FLUSH_INTERVAL_S": "2.0", "ATDP_SHARED_LINKS": "0"}  # --workers turns the links on anyway
+    return subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--workers", str(WORKERS), "--port",
+                             str(port), "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
+
+
+def wait_all_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
+    """Every worker answered `/healthz` with its database and writer up (a new connection each time)."""
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(ready) < WORKERS:
+        assert proc.poll() is None, "atdp serve --workers exited"
+        assert time.monotonic() < deadline, f"workers ready: {sorted(ready)}"
+        try:
+            h = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
+            if h["database"] and h["status"] == "ok":
+                ready.add(h["worker"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    assert ready == set(range(1, WORKERS + 1))
+
+
+def call(port: int, messages: list[dict], stream: bool) -> tuple[str, str, int]:
+    """One turn on a new connection: (text, step id, the worker that served it)."""
+    with httpx.Client(timeout=60) as http:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="open-mode", max_retries=0,
+                               default_headers=HERMES, http_client=http)
+        if stream:
+            with client.chat.completions.with_streaming_response.create(model="fake", messages=messages,
+                                                                        stream=True) as raw:
+                text = "".join((c.choices[0].delta.content or "") for c in raw.parse() if c.choices)
+                sid = raw.headers["x-atdp-step-id"]
+        else:
+            raw = client.chat.completions.with_raw_response.create(model="fake", messages=messages)
+            text, sid = raw.parse().choices[0].message.content, raw.headers["x-atdp-step-id"]
+        worker = http.get(f"http://127.0.0.1:{port}/healthz").json()["worker"]  # same connection, same worker
+    return text, sid, worker
+
+
+def test_three_workers_keep_one_session_per_conversation_and_drain_on_sigterm(tmp_path, own_db, fake_upstream):
+    url, factory = own_db
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    proc = start_workers(tmp_path, fake_upstream.url, url, tenant, port)
+    try:
+        wait_all_ready(port, proc)
+        convs = {name: [{"role": "system", "content": f"You are agent {name}."}] for name in ("a", "b", "c")}
+        step_ids: dict[str, list[str]] = {name: [] for name in convs}
+        served_by: dict[str, list[int]] = {name: [] for name in convs}
+        for turn in range(5):
+            for name, messages in convs.items():
+                messages.append({"role": "user", "content": f"{name} turn {turn}"})
+                text, sid, worker = call(port, messages, stream=bool(turn % 2))
+                messages.append({"role": "assistant", "content": text})
+                step_ids[name].append(sid)
+                served_by[name].append(worker)
+        workers = [w for ws in served_by.values() for w in ws]
+        assert len(set(workers)) >= 2, served_by  # the kernel spread the calls
+        assert any(len(set(ws)) > 1 for ws in served_by.values()), served_by  # a conversation crossed workers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(180) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with factory() as s:
+        rows = s.execute(select(t.Session.external_id, t.Step).join(t.Step, t.Step.session_id == t.Session.id)
+                         .where(t.Session.tenant_id == tenant).order_by(t.Step.started_at)).all()
+        stored = s.scalar(select(func.count()).select_from(t.Step).where(t.Step.tenant_id == tenant))
+    assert stored == 15  # every step stored by the shutdown (held for 2 s when SIGTERM came)
+    sessions: dict[str, list[t.Step]] = {}
+    for ext, step in rows:
+        sessions.setdefault(ext, []).append(step)
+    assert len(sessions) == 3
+    by_first = {steps[0].id: steps for steps in sessions.values()}
+    for ids in step_ids.values():
+        steps = by_first[ids[0]]
+        assert [s.id for s in steps] == ids
+        assert [s.parent_step_id for s in steps] == [None, *ids[:-1]]
+    assert not any((tmp_path / "home" / "spool").rglob("*.jsonl"))
