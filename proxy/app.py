@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proxy import logs, openapi, providers, telemetry
 from proxy.config import Settings
 from proxy.console import routes as console
-from proxy.control import admin, canary, diagnosis, feedback, gates, overview, sessions, versions
+from proxy.control import admin, canary, canarybus, diagnosis, feedback, gates, overview, sessions, versions
 from proxy.control.swap import Versions
 from proxy.control.swapbus import SwapBus
 from proxy.doors import chat, messages, models, responses
@@ -279,6 +279,7 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
                 state.links = LinkStore(url, ttl_s=settings.session_ttl_s, timeout_s=settings.shared_timeout_s)
             if settings.shared_swaps:
                 swaps.bus = SwapBus(url, state.pool, drain_timeout_s=settings.swap_drain_timeout_s)
+                canarybus.attach(state, swaps)  # a canary begun on another proxy routes here too
             engine = db.make_engine(url)
             state.engine = engine
             state.factory = db.session_factory(engine)

@@ -28,6 +28,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from atdp_schema.models import GateState, VersionStatus
+from proxy.control import canarybus
 from proxy.control.swap import Versions
 from proxy.evaluation.sequential import Margins, Observation, decide, radius
 from proxy.http import run_db
@@ -103,6 +104,7 @@ async def begin(state: AppState, versions: Versions, target: VersionRef, *, acto
     ref = await run_db(state, record)
     state.canary.activate(ref, [r.label for r in pool.replicas])
     start_monitor(state, versions, ref)
+    await canarybus.announce(versions, ref.version_id, active=True)  # every proxy routes by its arms
     log.info("canary of %s against %s on %s (%.0f%% of new sessions%s)", target.name, serving.name,
              ", ".join(labels), 100 * settings.canary_fraction, f", tenants {tenants}" if tenants else "")
     return outcome
@@ -220,6 +222,7 @@ async def conclude(state: AppState, versions: Versions, ref: CanaryRef, verdict:
 
         target, serving = await run_db(state, refs)
         state.canary.deactivate()
+        await canarybus.announce(versions, ref.version_id, active=False)  # before any replica reloads
         group = [r for r in pool.replicas if r.label in ref.replicas]
         if verdict == "promote":
             rest = [r for r in pool.replicas if r.label not in ref.replicas]

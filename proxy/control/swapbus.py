@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 import orjson
 import psycopg
@@ -59,6 +60,10 @@ class SwapBus:
         self._locks: psycopg.AsyncConnection | None = None
         self._relock: dict[str, asyncio.Task[None]] = {}
         self._opened: dict[str, asyncio.Event] = {}
+        # Other announcements on the channel, by `op` (proxy.control.canarybus), and what to do each
+        # time the listener (re)connects (it may have missed some).
+        self.handlers: dict[str, Callable[[dict], Awaitable[None]]] = {}
+        self.on_connect: list[Callable[[], Awaitable[None]]] = []
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="atdp-swapbus")
@@ -81,6 +86,11 @@ class SwapBus:
                 for r in self.pool.replicas:
                     await self._locks.execute("SELECT pg_advisory_lock_shared(%s)", (lock_key(r.label),))
                 self.ready.set()
+                for hook in self.on_connect:
+                    try:
+                        await hook()
+                    except Exception as e:
+                        log.warning("after connecting: %s (%s)", type(e).__name__, e)
                 async for note in listen.notifies():
                     await self._on(orjson.loads(note.payload))
             except asyncio.CancelledError:
@@ -96,6 +106,14 @@ class SwapBus:
             await asyncio.sleep(2.0)
 
     async def _on(self, msg: dict) -> None:
+        handler = self.handlers.get(msg.get("op", ""))
+        if handler is not None:
+            if msg.get("from") != self.me:  # this proxy did it already
+                try:
+                    await handler(msg)
+                except Exception as e:
+                    log.warning("announcement %s not followed (%s: %s)", msg.get("op"), type(e).__name__, e)
+            return
         replica = self._replica(msg.get("replica", ""))
         if replica is None or self._locks is None:
             return
@@ -151,6 +169,15 @@ class SwapBus:
                 await self._task
         for task in self._relock.values():
             task.cancel()
+
+    async def notify(self, msg: dict) -> None:
+        """Announce `msg` (with an `op` some proxy's handlers know) to every proxy on the database."""
+        payload = orjson.dumps({**msg, "from": self.me}).decode()
+        conn = await self._connect()
+        try:
+            await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+        finally:
+            await conn.close()
 
     # the driver
 

@@ -1,0 +1,70 @@
+"""A canary's routing on every proxy of one database (gate 3 across proxies; proxy.control.swapbus).
+
+The proxy that begins a canary (or concludes it) announces it on the swap channel: `canary` with
+the candidate's version id and whether it is now active. Every other proxy then reads the canary
+row (proxy.store.canary.active_canary) and routes new sessions by its arms, or stops routing. A
+session's arm is a row of `canary_sessions`, written by whichever proxy serves its first call, so
+every proxy keeps it on the same arm. When a proxy's listener (re)connects it reads the row again,
+in case it missed an announcement. The monitor (the decision) runs only on the proxy that began the
+canary, or on a proxy restarted while it runs (proxy.control.canary.resume).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from proxy.control.swap import Versions
+from proxy.http import run_db
+from proxy.state import AppState
+from proxy.store.canary import active_canary
+
+log = logging.getLogger("atdp.canary")
+
+OP = "canary"
+
+
+def attach(state: AppState, versions: Versions) -> None:
+    """Follow other proxies' canaries (called once the swap bus exists)."""
+    bus = versions.bus
+    assert bus is not None
+
+    async def on_note(msg: dict) -> None:
+        if not msg.get("active"):
+            ref = state.canary.active
+            if ref is not None and ref.version_id == msg.get("version_id"):
+                state.canary.deactivate()
+                log.info("canary of %s ended on another proxy: routing stopped here", ref.candidate)
+            return
+        await sync(state, versions)
+
+    async def on_connect() -> None:
+        await sync(state, versions)
+
+    bus.handlers[OP] = on_note
+    bus.on_connect.append(on_connect)
+
+
+async def sync(state: AppState, versions: Versions) -> None:
+    """Route by the canary PostgreSQL holds (none: stop routing), unless this proxy runs its monitor
+    (it owns the canary's end)."""
+    if state.factory is None or (versions.canary_task is not None and not versions.canary_task.done()):
+        return
+    ref = await run_db(state, active_canary)
+    current = state.canary.active
+    if ref is None:
+        if current is not None:
+            state.canary.deactivate()
+        return
+    if current is None or current.version_id != ref.version_id:
+        state.canary.activate(ref, [r.label for r in state.pool.replicas])
+        log.info("canary of %s (begun on another proxy) routes new sessions here too", ref.candidate)
+
+
+async def announce(versions: Versions, version_id: str, *, active: bool) -> None:
+    """Tell the other proxies (nothing to do without the swap bus: a single proxy)."""
+    if versions.bus is None:
+        return
+    try:
+        await versions.bus.notify({"op": OP, "version_id": version_id, "active": active})
+    except Exception as e:  # they read the row again when their listener reconnects
+        log.warning("canary announcement not sent (%s: %s)", type(e).__name__, e)

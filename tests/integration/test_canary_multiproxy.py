@@ -1,0 +1,89 @@
+"""A canary begun on one proxy routes sessions by its arms on every proxy (issue 17, item 1).
+
+Two proxies share one database and two scripted replicas. Proxy A begins the canary (the first
+replica serves the candidate); proxy B learns of it from the swap channel. Sessions start on B and
+continue on both: each is assigned once (by whichever proxy served its first call) and every one of
+its calls, on either proxy, is served by its arm's version. An operator's rollback sent to B ends
+the canary everywhere: both proxies stop routing, A's monitor stops, the group gets its weights back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from sqlalchemy import select
+
+from proxy.store import tables as t
+from tests.fake_vllm import FakeVLLM, ServerThread
+
+ADMIN = {"authorization": "Bearer admin-test-key"}
+
+
+def _call(proxy, sid: str, turn: int) -> None:
+    r = httpx.post(proxy.v1 + "/chat/completions", headers={"x-atdp-session-id": sid}, timeout=30,
+                   json={"model": "fake", "messages": [{"role": "user", "content": f"{sid} turn {turn}"}],
+                         "max_tokens": 4})
+    assert r.status_code == 200, r.text
+
+
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
+    url, factory = own_db
+    fakes = [FakeVLLM(), FakeVLLM()]
+    servers = [ServerThread(f).start() for f in fakes]
+    try:
+        opts = {"database_url": url, "canary_fraction": 0.5, "canary_check_s": 0.5, "tenant": "t-canary2",
+                # No decision during the test: the operator ends it.
+                "canary_promote_margin": 0.0, "canary_error_rise": 1.0, "canary_tool_failure_rise": 1.0}
+        a = start_proxy([s.url for s in servers], **opts)
+        b = start_proxy([s.url for s in servers], **opts)
+        assert a.versions.ready.wait(30) and b.versions.ready.wait(30)
+        _until(lambda: all(p.versions.bus is not None and p.versions.bus.ready.is_set() for p in (a, b)),
+               "swap listeners never ready")
+        r = httpx.post(a.url + "/atdp/v1/versions", headers=ADMIN, timeout=60,
+                       json={"checkpoint": "/ckpt/cand", "name": "cand", "wait": True})
+        assert r.json()["status"] == "canary", r.text
+        vid = r.json()["id"]
+        _until(lambda: b.state.canary.active is not None, "proxy B never learned of the canary")
+        assert b.state.canary.active.version_id == vid and b.versions.canary_task is None  # routes, does not decide
+        assert [rep.version for rep in b.state.pool.replicas] == ["cand", "base"]
+
+        sids = [f"s{i}" for i in range(12)]
+        for sid in sids:  # first calls on B: B assigns the arms
+            _call(b, sid, 0)
+        for turn in range(1, 4):  # then every session on both proxies
+            for k, sid in enumerate(sids):
+                _call((a, b)[(k + turn) % 2], sid, turn)
+        a.flush()
+        b.flush()
+        with factory() as s:
+            arms = dict(s.execute(select(t.CanarySession.session_id, t.CanarySession.arm)
+                                  .where(t.CanarySession.version_id == vid)).all())
+            served = s.execute(select(t.Session.external_id, t.Step.model_version)
+                               .join(t.Step, t.Step.session_id == t.Session.id)
+                               .where(t.Session.tenant_id == "t-canary2")).all()
+        assert set(arms) == set(sids) and set(arms.values()) == {"candidate", "serving"}
+        versions: dict[str, set[str]] = {}
+        for sid, version in served:
+            versions.setdefault(sid, set()).add(version)
+        assert {sid: versions[sid] for sid in sids} == {
+            sid: {"cand" if arms[sid] == "candidate" else "base"} for sid in sids}
+
+        back = httpx.post(b.url + "/atdp/v1/versions/cand/rollback", headers=ADMIN, timeout=60)
+        assert back.status_code == 200 and back.json()["status"] == "rolled_back", back.text
+        _until(lambda: a.state.canary.active is None, "proxy A kept routing after the rollback")
+        _until(lambda: a.versions.canary_task is not None and a.versions.canary_task.done(), "A's monitor went on")
+        assert fakes[0].weights == "fake" and b.state.canary.active is None
+        assert [rep.version for p in (a, b) for rep in p.state.pool.replicas] == ["base"] * 4
+        with factory() as s:
+            assert s.get(t.Canary, vid).decision == "rolled_back"
+    finally:
+        for s in servers:
+            s.stop()
