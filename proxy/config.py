@@ -8,6 +8,7 @@ Each process loads the settings once at its entry point and passes them down.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from collections.abc import Mapping
@@ -100,6 +101,10 @@ class Settings(BaseSettings):
     upstream_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"], validation_alias=_env("upstream_url", "upstream_urls"))
     admin_key: str | None = None
+    # With no admin key: read it from this file, or generate it there (mode 0600) when there is none.
+    # docker-compose.yml sets it on the shared volume, so a plain `docker compose up` has a key no one
+    # chose and every proxy replica and the trainer read the same one.
+    admin_key_file: Path | None = None
     trainer_key: str | None = None  # the trainer's key for the proxy: scoped to versions:write
     upstream_api_key: str | None = None  # when vLLM runs with --api-key
     host: str = "127.0.0.1"
@@ -290,6 +295,29 @@ def _load_secret(home: Path) -> bytes:
     return value
 
 
+def _admin_key_from(path: Path) -> str:
+    """The key in `path`, or a new one written there. Written to a temporary file and linked into
+    place, so a process starting at the same moment reads the whole key or creates none."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secrets.token_urlsafe(32).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+        logging.getLogger("atdp.config").warning("no ATDP_ADMIN_KEY: generated one into %s", path)
+    except FileExistsError:  # another process made it first: use theirs
+        pass
+    finally:
+        os.unlink(tmp)
+    return path.read_text().strip()
+
+
 def read_settings(env: Mapping[str, str] | None = None) -> Settings:
     """The settings from `env` (default: os.environ) and the TOML file, without touching the home."""
     token = _ENVIRON.set(env)
@@ -304,6 +332,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     settings = read_settings(env)
     if not settings.secret:
         settings.secret = _load_secret(settings.home)
+    if not settings.admin_key and settings.admin_key_file is not None:
+        settings.admin_key = _admin_key_from(settings.admin_key_file)
     return settings
 
 

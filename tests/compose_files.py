@@ -17,9 +17,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
+HAPROXY_CFG = REPO / "docker" / "haproxy.cfg"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
 GPU, CPU = "gpu", "cpu"
-SERVICES = {"postgres": None, "proxy": None, "vllm": GPU, "trainer": GPU, "vllm-cpu": CPU, "trainer-cpu": CPU}
+# None: no profile, started by a plain `docker compose up` (the CPU stack).
+SERVICES = {"postgres": None, "proxy": None, "lb": None, "vllm": GPU, "trainer": GPU, "vllm-cpu": None,
+            "trainer-cpu": None}
 VLLM_SERVICES = ("vllm", "vllm-cpu")
 TRAINER_SERVICES = ("trainer", "trainer-cpu")
 BASE_ENV = {"ATDP_ADMIN_KEY": "admin-compose-test", "ATDP_SECRET": "compose-test-secret"}
@@ -151,6 +154,23 @@ def code_env_names() -> set[str]:
         for path in (REPO / package).rglob("*.py"):
             names |= set(re.findall(r"\bATDP_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
     return names
+
+
+def haproxy_sections() -> dict[str, list[list[str]]]:
+    """docker/haproxy.cfg as {"backend proxies": [["balance", "roundrobin"], ...], ...}."""
+    out: dict[str, list[list[str]]] = {}
+    section = None
+    for line in HAPROXY_CFG.read_text().splitlines():
+        stripped = line.split("#", 1)[0].strip()
+        if not stripped:
+            continue
+        if not line[0].isspace():
+            section = stripped
+            out[section] = []
+        else:
+            assert section is not None, f"directive outside a section: {line!r}"
+            out[section].append(stripped.split())
+    return out
 
 
 # --- Dockerfiles -----------------------------------------------------------------------------------

@@ -28,14 +28,13 @@ from proxy.store import db
 from tests.compose_files import (
     BASE_ENV,
     COMPOSE,
-    CPU,
     DEPLOY_DOC,
     GPU,
+    HAPROXY_CFG,
     REPO,
     SERVICES,
     TRAINER_SERVICES,
     VLLM_SERVICES,
-    InterpolationError,
     _walk,
     build_specs,
     code_env_names,
@@ -43,6 +42,7 @@ from tests.compose_files import (
     copy_sources,
     dockerignore,
     env_of,
+    haproxy_sections,
     ignored,
     instructions,
     interpolate,
@@ -57,12 +57,14 @@ from tests.compose_files import (
 def test_docker_compose_config_accepts_the_file():
     cmd = compose_cli()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ATDP_", "COMPOSE_"))}
-    for profile in (GPU, CPU):
-        r = subprocess.run([*cmd, "-f", str(COMPOSE), "--profile", profile, "config", "-q"],
-                           env={**env, **BASE_ENV}, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-    r = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "ATDP_ADMIN_KEY" in r.stderr
+    r = subprocess.run([*cmd, "-f", str(COMPOSE), "--profile", GPU, "config", "-q"],
+                       env={**env, **BASE_ENV}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # A plain `docker compose up`: no profile, no variable set.
+    r = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--services"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert set(r.stdout.split()) == {name for name, profile in SERVICES.items() if profile is None}
 
 
 # --- the compose file --------------------------------------------------------------------------------
@@ -78,11 +80,96 @@ def test_services_profiles_and_images():
             assert svc.get("command"), f"{name}: the compose file says what runs"
     assert services["postgres"]["image"] == "postgres:16"
     assert services["vllm"]["image"].startswith("vllm/vllm-openai:")
+    assert services["lb"]["image"].startswith("haproxy:")
 
 
-def test_admin_key_has_no_default():
-    with pytest.raises(InterpolationError, match="ATDP_ADMIN_KEY"):
-        _walk(raw(), lambda s: interpolate(s, {}))
+def test_no_variable_is_required_and_the_admin_key_is_generated_once(tmp_path):
+    """A plain `docker compose up` needs nothing set: without ATDP_ADMIN_KEY the first process makes one
+    in the shared volume and every proxy replica and the trainer read that one."""
+    from proxy.config import load_settings
+
+    services = _walk(raw(), lambda s: interpolate(s, {}))["services"]  # raises InterpolationError on a `:?`
+    keys = set()
+    for name in ("proxy", *TRAINER_SERVICES):
+        env = env_of(services[name])
+        assert env["ATDP_ADMIN_KEY"] == ""
+        home = env["ATDP_HOME"]
+        assert env["ATDP_ADMIN_KEY_FILE"].startswith(home + "/")  # on the shared volume
+        assert mounts(services[name])[home][0] == "atdp-data", name
+        env["ATDP_ADMIN_KEY_FILE"] = str(tmp_path / Path(env["ATDP_ADMIN_KEY_FILE"]).name)
+        env["ATDP_HOME"] = str(tmp_path / "home")
+        keys.add(load_settings(env).admin_key)
+    (key,) = keys
+    assert len(key) >= 32 and (tmp_path / "admin-key").stat().st_mode & 0o777 == 0o600
+    # The operator's key wins, and nothing is written then.
+    env = env_of(render()["services"]["proxy"])
+    assert load_settings({**env, "ATDP_HOME": str(tmp_path / "home"), "ATDP_ADMIN_KEY_FILE": str(tmp_path / "other")}
+                         ).admin_key == BASE_ENV["ATDP_ADMIN_KEY"]
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_plain_up_is_a_complete_local_stack():
+    """No profile: PostgreSQL, a vLLM the proxy's upstream names, the proxy, the load balancer, the
+    trainer; and whatever a default service depends on is a default service too."""
+    from proxy.config import load_settings
+
+    services = render()["services"]
+    default = {name for name, svc in services.items() if not svc.get("profiles")}
+    assert default == {"postgres", "vllm-cpu", "proxy", "lb", "trainer-cpu"}
+    for name in default:
+        assert set(services[name].get("depends_on") or {}) <= default, name
+    upstream = urlsplit(load_settings(env_of(services["proxy"])).upstream_urls[0]).hostname
+    assert any(upstream in {n, *((services[n].get("networks") or {}).get("default") or {}).get("aliases", [])}
+               for n in default)
+
+
+def test_the_proxy_scales_behind_the_load_balancer():
+    """`--scale proxy=3`: no fixed container name or host port anywhere; only `lb` publishes, and the
+    proxies share continuation links through PostgreSQL."""
+    from proxy.cli import build_parser
+    from proxy.config import load_settings
+
+    services = render()["services"]
+    assert all("container_name" not in svc for svc in services.values())
+    published = [name for name, svc in services.items() if svc.get("ports")]
+    assert published == ["lb"]
+    proxy = services["proxy"]
+    args = build_parser().parse_args(proxy["command"][1:])
+    assert proxy["expose"] == [str(args.port)]
+    assert args.workers == 1 and build_parser().parse_args(render(ATDP_PROXY_WORKERS="4")["services"]["proxy"]
+                                                            ["command"][1:]).workers == 4
+    assert load_settings(env_of(proxy)).shared_links is True
+    lb = services["lb"]
+    host_addr, host_port, container_port = lb["ports"][0].rsplit(":", 2)
+    assert (host_addr, host_port) == ("127.0.0.1", "8700")
+    config_path = lb["command"][lb["command"].index("-f") + 1]
+    assert mounts(lb)[config_path] == ("./docker/haproxy.cfg", "ro")
+    assert (REPO / "docker" / "haproxy.cfg").resolve() == HAPROXY_CFG
+    assert lb["depends_on"]["proxy"]["condition"] == "service_healthy"
+    cfg = haproxy_sections()
+    (frontend,) = [k for k in cfg if k.startswith("frontend ")]
+    assert ["bind", f":{container_port}"] in cfg[frontend]
+    backend_name = next(d[1] for d in cfg[frontend] if d[0] == "default_backend")
+    backend = cfg[f"backend {backend_name}"]
+    assert ["balance", "roundrobin"] in backend
+    # Every replica, found through Docker's DNS, on the port the proxy listens on, checked on /healthz.
+    template = next(d for d in backend if d[:1] == ["server-template"])
+    assert template[3] == f"proxy:{args.port}" and int(template[2]) >= 3
+    default_server = next(d for d in backend if d[0] == "default-server")
+    resolvers = default_server[default_server.index("resolvers") + 1]
+    assert "check" in default_server
+    assert ["nameserver", "dns", "127.0.0.11:53"] in cfg[f"resolvers {resolvers}"]
+    assert ["option", "httpchk", "GET", "/healthz"] in backend and ["http-check", "expect", "status", "200"] in backend
+    # Streams live as long as the proxy's own upstream timeout allows.
+    seconds = {d[1]: int(d[2].rstrip("s")) for d in cfg["defaults"] if d[0] == "timeout"}
+    upstream_timeout = load_settings(env_of(proxy)).upstream_timeout_s
+    assert seconds["server"] > upstream_timeout and seconds["client"] > upstream_timeout
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="no haproxy here; the parsed checks above stand in")
+def test_haproxy_accepts_its_config():
+    r = subprocess.run(["haproxy", "-c", "-f", str(HAPROXY_CFG)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_every_knob_is_documented():
@@ -192,9 +279,9 @@ def test_proxy_listens_on_all_interfaces_with_keys_required():
     check_listen_address(settings)  # raises if open mode were on off loopback
     assert settings.open_mode is False
     assert settings.admin_key == BASE_ENV["ATDP_ADMIN_KEY"]
-    # Published on the host's loopback unless the operator says otherwise.
-    host_addr, host_port, container_port = proxy["ports"][0].rsplit(":", 2)
-    assert (host_addr, host_port, int(container_port)) == ("127.0.0.1", "8700", settings.port)
+    # Published (by the load balancer) on the host's loopback unless the operator says otherwise.
+    host_addr, host_port, _ = services["lb"]["ports"][0].rsplit(":", 2)
+    assert (host_addr, host_port) == ("127.0.0.1", "8700")
     assert f":{settings.port}/healthz" in " ".join(proxy["healthcheck"]["test"])
     # The database URL names the postgres service and its credentials.
     pg = env_of(services["postgres"])
