@@ -8,6 +8,8 @@ out of the numbers). Direct and proxied calls alternate in rounds, so machine no
   python bench/proxy_overhead.py [--requests 2000] [--out bench/results/proxy_overhead.json]
   python bench/proxy_overhead.py --with-provider-route   # + a second proxy whose routing table has a
                                                          # LiteLLM provider route (not the bench's model)
+  python bench/proxy_overhead.py --processes 1,2,3       # instead: throughput at concurrency 32 through
+                                                         # 1, 2 and 3 proxy processes (bench/scaleout.py)
 
 Reports, per concurrency (1 and 32): p50/p99 latency direct and through the proxy, the added
 p50/p99, throughput, and for streams the time-to-first-byte overhead. Needs a PostgreSQL
@@ -391,7 +393,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.json"))
     ap.add_argument("--with-provider-route", action="store_true",
                     help="also measure a proxy whose routing table has a LiteLLM provider route, interleaved")
+    ap.add_argument("--processes", help="instead: closed-loop throughput at concurrency 32 through this many proxy "
+                    "processes, side by side (e.g. 1,2,3; bench/scaleout.py)")
     args = ap.parse_args()
+    if args.processes:
+        from scaleout import run
+
+        out = args.out.replace("proxy_overhead.json", "proxy_scaleout.json")
+        return run([int(x) for x in args.processes.split(",")], args.requests, args.rounds, out)
 
     stack = start_stack(provider_route=args.with_provider_route)
     up_port, proxy_port, db_url = stack.up_port, stack.proxy_port, stack.db_url
