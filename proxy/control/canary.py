@@ -132,6 +132,15 @@ async def wait_for_canary(versions: Versions) -> None:
 
 
 async def monitor(state: AppState, versions: Versions, ref: CanaryRef) -> None:
+    """Decide the canary; with several proxies on the database, only while holding the monitor lock
+    (the others wait for it, and take over if its holder goes away)."""
+    async with canarybus.sole_monitor(versions, lambda: state.canary.active is ref,
+                                      state.settings.canary_check_s) as mine:
+        if mine:
+            await _decide(state, versions, ref)
+
+
+async def _decide(state: AppState, versions: Versions, ref: CanaryRef) -> None:
     seen = -1
     while state.canary.active is ref:
         with contextlib.suppress(TimeoutError):

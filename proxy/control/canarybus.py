@@ -5,15 +5,23 @@ the candidate's version id and whether it is now active. Every other proxy then 
 row (proxy.store.canary.active_canary) and routes new sessions by its arms, or stops routing. A
 session's arm is a row of `canary_sessions`, written by whichever proxy serves its first call, so
 every proxy keeps it on the same arm. When a proxy's listener (re)connects it reads the row again,
-in case it missed an announcement. The monitor (the decision) runs only on the proxy that began the
-canary, or on a proxy restarted while it runs (proxy.control.canary.resume).
+in case it missed an announcement. The monitor (the decision) runs where the canary began; a proxy
+started while it runs (proxy.control.canary.resume) starts one too, but a monitor decides only while
+it holds the monitor lock (`sole_monitor`, an advisory lock), so one decides at a time and another
+takes over when that proxy goes away.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Callable
+
+import psycopg
 
 from proxy.control.swap import Versions
+from proxy.control.swapbus import lock_key
 from proxy.http import run_db
 from proxy.state import AppState
 from proxy.store.canary import active_canary
@@ -21,6 +29,7 @@ from proxy.store.canary import active_canary
 log = logging.getLogger("atdp.canary")
 
 OP = "canary"
+MONITOR_KEY = lock_key("canary-monitor")
 
 
 def attach(state: AppState, versions: Versions) -> None:
@@ -68,3 +77,31 @@ async def announce(versions: Versions, version_id: str, *, active: bool) -> None
         await versions.bus.notify({"op": OP, "version_id": version_id, "active": active})
     except Exception as e:  # they read the row again when their listener reconnects
         log.warning("canary announcement not sent (%s: %s)", type(e).__name__, e)
+
+
+@contextlib.asynccontextmanager
+async def sole_monitor(versions: Versions, wanted: Callable[[], bool], every_s: float) -> AsyncIterator[bool]:
+    """Hold the monitor lock, trying every `every_s` while `wanted()`; yields whether it is held (a
+    single proxy, without the swap bus, always holds it). Let go on leaving."""
+    bus = versions.bus
+    if bus is None:
+        yield True
+        return
+    conn: psycopg.AsyncConnection | None = None
+    try:
+        while wanted():
+            try:
+                conn = await bus.connect()
+                if (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (MONITOR_KEY,))).fetchone())[0]:
+                    break
+            except (psycopg.Error, OSError) as e:
+                log.warning("canary monitor lock not taken (%s)", e)
+            if conn is not None:
+                await conn.close()
+                conn = None
+            await asyncio.sleep(every_s)
+        yield conn is not None
+    finally:
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()  # lets the lock go

@@ -68,6 +68,10 @@ class SwapBus:
     def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="atdp-swapbus")
 
+    async def connect(self) -> psycopg.AsyncConnection:
+        """A connection of its own (autocommit) to the bus's database: its session locks are its own."""
+        return await self._connect()
+
     async def _connect(self) -> psycopg.AsyncConnection:
         return await psycopg.AsyncConnection.connect(self.url, autocommit=True, connect_timeout=5)
 

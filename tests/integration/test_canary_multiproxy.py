@@ -3,8 +3,10 @@
 Two proxies share one database and two scripted replicas. Proxy A begins the canary (the first
 replica serves the candidate); proxy B learns of it from the swap channel. Sessions start on B and
 continue on both: each is assigned once (by whichever proxy served its first call) and every one of
-its calls, on either proxy, is served by its arm's version. An operator's rollback sent to B ends
-the canary everywhere: both proxies stop routing, A's monitor stops, the group gets its weights back.
+its calls, on either proxy, is served by its arm's version. A third proxy started meanwhile resumes
+the canary: it routes too, and its monitor waits for the monitor lock A holds (one decides). An
+operator's rollback sent to B ends the canary everywhere: every proxy stops routing, both monitors
+stop, the group gets its weights back.
 """
 
 from __future__ import annotations
@@ -54,15 +56,20 @@ def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
         _until(lambda: b.state.canary.active is not None, "proxy B never learned of the canary")
         assert b.state.canary.active.version_id == vid and b.versions.canary_task is None  # routes, does not decide
         assert [rep.version for rep in b.state.pool.replicas] == ["cand", "base"]
+        c = start_proxy([s.url for s in servers], **opts)  # started during the canary: resumes it
+        assert c.versions.ready.wait(30)
+        _until(lambda: c.versions.canary_task is not None, "proxy C never resumed the canary")
+        assert c.state.canary.active is not None and c.state.canary.active.version_id == vid
 
         sids = [f"s{i}" for i in range(12)]
         for sid in sids:  # first calls on B: B assigns the arms
             _call(b, sid, 0)
-        for turn in range(1, 4):  # then every session on both proxies
+        for turn in range(1, 4):  # then every session on every proxy
             for k, sid in enumerate(sids):
-                _call((a, b)[(k + turn) % 2], sid, turn)
-        a.flush()
-        b.flush()
+                _call((a, b, c)[(k + turn) % 3], sid, turn)
+        for p in (a, b, c):
+            p.flush()
+        assert not c.versions.canary_task.done()  # waiting for the monitor lock A holds
         with factory() as s:
             arms = dict(s.execute(select(t.CanarySession.session_id, t.CanarySession.arm)
                                   .where(t.CanarySession.version_id == vid)).all())
@@ -79,9 +86,11 @@ def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
         back = httpx.post(b.url + "/atdp/v1/versions/cand/rollback", headers=ADMIN, timeout=60)
         assert back.status_code == 200 and back.json()["status"] == "rolled_back", back.text
         _until(lambda: a.state.canary.active is None, "proxy A kept routing after the rollback")
-        _until(lambda: a.versions.canary_task is not None and a.versions.canary_task.done(), "A's monitor went on")
+        _until(lambda: c.state.canary.active is None, "proxy C kept routing after the rollback")
+        for p in (a, c):
+            _until(lambda p=p: p.versions.canary_task.done(), "a monitor went on")
         assert fakes[0].weights == "fake" and b.state.canary.active is None
-        assert [rep.version for p in (a, b) for rep in p.state.pool.replicas] == ["base"] * 4
+        assert [rep.version for p in (a, b, c) for rep in p.state.pool.replicas] == ["base"] * 6
         with factory() as s:
             assert s.get(t.Canary, vid).decision == "rolled_back"
     finally:
