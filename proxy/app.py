@@ -60,7 +60,7 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[
         *overview.routes(state),
         *console.routes(),
         Route("/", models.root, ("GET", "HEAD")),
-        Route("/healthz", _healthz(state), ("GET",)),
+        Route("/healthz", _healthz(state, swaps), ("GET",)),
         Route("/metrics", _metrics(state), ("GET",)),
         Route("/openapi.json", _openapi(), ("GET",)),
     ]
@@ -212,9 +212,10 @@ def _route_template(scope: Scope) -> str:
     return "(no route)"
 
 
-def _healthz(state: AppState) -> Endpoint:
+def _healthz(state: AppState, swaps: Versions) -> Endpoint:
     async def healthz(request: Request) -> Response:
         r = state.recorder
+        bus = swaps.bus
         writer = r.health().judge(state.settings.writer_lag_s)
         # Not ok (503) while steps could be lost or are not being made durable: a dead, lagging or
         # failing writer. A database that is away is not a problem here: the spool takes the steps.
@@ -223,6 +224,8 @@ def _healthz(state: AppState) -> Endpoint:
             "problems": writer.problems,
             "worker": state.settings.worker,  # which of `atdp serve --workers N` answered (0: a single proxy)
             "database": bool(state.factory is not None and r.db_ok),
+            # Following other proxies' swaps (proxy.control.swapbus); null when ATDP_SHARED_SWAPS is off.
+            "swap_listener": bus.ready.is_set() if bus is not None else (False if state.settings.shared_swaps else None),
             "writer": writer.as_json(),
             "writer_pending": writer.held,
             "spool_pending": r.spool.pending(),

@@ -5,14 +5,21 @@ The real command, in a subprocess, in front of a scripted upstream. A client tha
 turns over the workers (the test learns which worker served a call from `/healthz` on the same
 connection). Each conversation is still one session with its parent chain. The writers hold steps
 for 2 s, so SIGTERM reaches the workers with steps not yet stored: a clean shutdown stores them all.
+
+And a swap under load through the three: calls on new connections (so on every worker) while one
+worker, the one the version's POST reached, drives the swap of two scripted replicas. No call
+fails, every step is stamped with the version of the weights that wrote it, and every worker
+stamps the new version afterwards.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,17 +29,19 @@ import openai
 from sqlalchemy import func, select
 
 from proxy.store import tables as t
-from tests.fake_vllm import free_port
+from proxy.store.tokens import unrle
+from tests.fake_vllm import FakeVLLM, ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERMES = {"User-Agent": "HermesAgent/0.4 (python)"}
 WORKERS = 3
 
 
-def start_workers(tmp_path: Path, upstream: str, url: str, tenant: str, port: int) -> subprocess.Popen[bytes]:
+def start_workers(tmp_path: Path, upstream: str, url: str, tenant: str, port: int,
+                  **extra: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ATDP_HOME": str(tmp_path / "home"), "ATDP_OPEN_MODE": "1",
            "ATDP_DEFAULT_TENANT": tenant, "ATDP_UPSTREAM_URL": upstream, "ATDP_DATABASE_URL": url,
-           "ATDP_FLUSH_INTERVAL_S": "2.0", "ATDP_SHARED_LINKS": "0"}  # --workers turns the links on anyway
+           "ATDP_FLUSH_INTERVAL_S": "2.0", "ATDP_SHARED_LINKS": "0", **extra}  # --workers turns the links on anyway
     return subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--workers", str(WORKERS), "--port",
                              str(port), "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
 
@@ -46,7 +55,7 @@ def wait_all_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 18
         assert time.monotonic() < deadline, f"workers ready: {sorted(ready)}"
         try:
             h = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
-            if h["database"] and h["status"] == "ok":
+            if h["database"] and h["status"] == "ok" and h["swap_listener"]:
                 ready.add(h["worker"])
         except httpx.HTTPError:
             pass
@@ -112,3 +121,80 @@ def test_three_workers_keep_one_session_per_conversation_and_drain_on_sigterm(tm
         assert [s.id for s in steps] == ids
         assert [s.parent_step_id for s in steps] == [None, *ids[:-1]]
     assert not any((tmp_path / "home" / "spool").rglob("*.jsonl"))
+
+
+def _traffic(port: int, stop: threading.Event, results: list[str], errors: list[str], offset: int) -> None:
+    for i in itertools.count(offset, 6):
+        if stop.is_set():
+            return
+        try:  # a new connection per call: the kernel spreads the calls over every worker
+            with httpx.Client(timeout=60) as http:
+                client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="open-mode",
+                                       max_retries=0, http_client=http)
+                messages = [{"role": "user", "content": f"q{i}"}]
+                if i % 2:
+                    chunks = client.chat.completions.create(model="fake", messages=messages, stream=True)
+                    results.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+                else:
+                    answer = client.chat.completions.create(model="fake", messages=messages)
+                    results.append(answer.choices[0].message.content)
+        except Exception as e:  # any failure is a test failure: collected and asserted on
+            errors.append(f"{type(e).__name__}: {e}")
+
+
+def test_a_swap_under_load_through_three_workers(tmp_path, own_db):
+    url, factory = own_db
+    fakes, servers = [FakeVLLM(), FakeVLLM()], []
+    for fake in fakes:
+        fake.chunk_delay = 0.002  # a model generating: calls are in flight when a gate closes
+        servers.append(ServerThread(fake).start())
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    proc = start_workers(tmp_path, ",".join(s.url for s in servers), url, tenant, port,
+                         ATDP_ADMIN_KEY="admin-test-key", ATDP_CHECKPOINT_ROOTS="/", ATDP_FLUSH_INTERVAL_S="0.05")
+    stop, results, errors = threading.Event(), [], []
+    threads = [threading.Thread(target=_traffic, args=(port, stop, results, errors, k)) for k in range(6)]
+    try:
+        wait_all_ready(port, proc)
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 60
+        while len(results) < 18:  # traffic on the old version first
+            assert time.monotonic() < deadline and not errors, errors[:5]
+            time.sleep(0.05)
+        r = httpx.post(f"http://127.0.0.1:{port}/atdp/v1/versions", timeout=180,
+                       headers={"authorization": "Bearer admin-test-key"},
+                       json={"checkpoint": "/ckpt/w1", "name": "v1", "promote": "now"})
+        n = len(results)
+        while len(results) < n + 18:  # and on the new one
+            assert time.monotonic() < deadline + 120 and not errors, errors[:5]
+            time.sleep(0.05)
+        stop.set()
+        for th in threads:
+            th.join(60)
+        assert r.status_code == 200 and r.json()["swap"]["ok"], r.text
+        assert not errors, errors[:5]
+        assert all(f.weights == "w1" for f in fakes)
+        stamped: dict[int, list[str]] = {}
+        while len(stamped) < WORKERS:  # every worker stamps the new version, not only the driver
+            h = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).json()
+            stamped[h["worker"]] = [rep["version"] for rep in h["replicas"]]
+        assert stamped == {k: ["v1", "v1"] for k in range(1, WORKERS + 1)}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(180) == 0
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for s in servers:
+            s.stop()
+    with factory() as s:
+        steps = list(s.query(t.Step).filter(t.Step.tenant_id == tenant))
+    weights_of = {"base": "w0", "v1": "w1"}
+    assert len(steps) == len(results) >= 36
+    wrong = [(st.model_version, bytes(st.output_token_ids).decode()[:6]) for st in steps
+             if not bytes(st.output_token_ids).decode().startswith(f"[{weights_of[st.model_version]}] ")
+             or set(unrle(st.output_versions)) != {st.model_version}]
+    assert wrong == []
+    assert {st.model_version for st in steps} == {"base", "v1"}
