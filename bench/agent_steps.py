@@ -94,12 +94,16 @@ def session_steps(rng: random.Random, *, tenant: str, turns: int, start: datetim
 
 
 def unique_text_bytes(steps: list[CapturedStep]) -> int:
-    """Bytes of the distinct messages, system prompt, tool schemas and outputs (canonical JSON)."""
+    """Bytes of the conversation itself, each piece once (canonical JSON): its messages (system prompt,
+    task, every assistant turn as the agent echoes it, every tool result), the tool schemas, and the
+    last answer (the only one never echoed back)."""
     seen: dict[bytes, int] = {}
-    for st in steps:
-        for value in [st.system, st.tools, st.action, *st.new_messages]:
-            blob = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-            seen[blob] = len(blob)
+    values = [m for st in steps for m in st.new_messages]
+    if steps:
+        values += [steps[0].tools, steps[-1].action["output"]]
+    for value in values:
+        blob = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        seen[blob] = len(blob)
     return sum(seen.values())
 
 
