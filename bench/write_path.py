@@ -120,6 +120,31 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int) 
         admin.dispose()
 
 
+def redaction_cpu(sessions: int, turns: int, seed: int) -> dict:
+    """CPU per step of the redaction the pass-through stands in for: every distinct content of the same
+    agent steps through one in-process `Redactor` (what each redaction worker runs), process CPU time."""
+    from agent_steps import interleaved
+
+    from proxy.governance.redaction import RedactionConfig, Redactor
+    from proxy.store.content import canonical
+
+    steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)
+    seen: dict[bytes, tuple[str, object]] = {}
+    for st in steps:
+        for value in [st.system, st.tools, st.action, *st.new_messages, *(r.content for r in st.tool_results)]:
+            seen.setdefault(canonical(value), ("bench", value))
+    redactor = Redactor(RedactionConfig(salt=b"bench-secret"))
+    redactor.redact_many([("bench", "warm up: call me at jane@example.com")])
+    items = list(seen.values())
+    kb = sum(len(k) for k in seen) / 1024
+    c0 = time.process_time()
+    redactor.redact_many(items)
+    cpu = time.process_time() - c0
+    return {"steps": len(steps), "distinct_contents": len(items), "new_kb_per_step": round(kb / len(steps), 2),
+            "redaction_cpu_ms_per_step": round(1000 * cpu / len(steps), 3),
+            "redaction_cpu_ms_per_kb": round(1000 * cpu / kb, 3), "load_avg_1m": os.getloadavg()[0]}
+
+
 def baseline_tree(ref: str, into: Path) -> Path:
     """`ref`'s tracked files in `into`, with this checkout's bench builders copied in."""
     root = HERE.parent
@@ -148,9 +173,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--baseline", help="a git ref to measure side by side (e.g. main)")
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--redaction", action="store_true",
+                    help="instead: the CPU per step of redacting the same steps' contents (one in-process Redactor)")
     args = ap.parse_args()
-    if not args.database_url:
+    if not args.database_url and not args.redaction:
         ap.error("--database-url (or ATDP_TEST_DATABASE_URL): a PostgreSQL server where databases may be created")
+    if args.redaction:
+        print(json.dumps(redaction_cpu(args.sessions, args.turns, args.seed)))
+        return 0
     if args.single:
         print(json.dumps(one_round(args.database_url, args.sessions, args.turns, args.batch, args.seed)))
         return 0
