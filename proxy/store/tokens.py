@@ -37,6 +37,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def rle(values: list[str]) -> list[list[Any]]:
     """Run-length encode per-token versions: ["a","a","b"] -> [["a", 2], ["b", 1]]."""
+    if values and values.count(values[0]) == len(values):  # the usual case: one version (C-speed count)
+        return [[values[0], len(values)]]
     runs: list[list[Any]] = []
     for v in values:
         if runs and runs[-1][0] == v:

@@ -1,4 +1,4 @@
-"""Prefix storage compares the parent's cached sequence (an `array('i')`) with a prompt (a list)."""
+"""Token storage helpers: the prefix check (the parent's cached `array('i')` against a prompt list), version runs."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def test_a_long_shared_history_is_found_whole():
     assert common_prefix(parent, prompt) == 40_000
     prompt[39_999] = -1  # the last shared id differs (a re-tokenised boundary)
     assert common_prefix(parent, prompt) == 39_999
+
+
+def test_run_length_encoding_of_versions_round_trips():
+    from proxy.store.tokens import rle, unrle
+
+    assert rle(["v1"] * 5) == [["v1", 5]]
+    assert rle(["v1", "v1", "v2", "v1"]) == [["v1", 2], ["v2", 1], ["v1", 1]]
+    assert rle([]) == []
+    for values in (["a"], ["a", "b"], ["b", "b", "b", "a"], ["a", "a", "b", "b"]):
+        assert unrle(rle(values)) == values
