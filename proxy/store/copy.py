@@ -7,11 +7,14 @@ are sent as their text literals, built here with `str.join` (C speed), and JSON 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import orjson
+import psycopg
 from psycopg.types.json import Jsonb
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 
@@ -39,10 +42,28 @@ def text_array(values: Sequence[str]) -> str:
     return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
 
 
+@contextmanager
+def _as_sqlalchemy_errors(statement: str) -> Iterator[None]:
+    """psycopg's errors as SQLAlchemy's (DataError, IntegrityError, ...), as `Session.execute` raises
+    them: the recorder splits a batch the database refuses for its content and sets the bad record
+    aside, and tells that apart from a lost connection by these classes."""
+    try:
+        yield
+    except psycopg.Error as e:
+        raise DBAPIError.instance(statement, None, e, psycopg.Error) from e
+
+
 def copy_rows(s: Session, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     """COPY `rows` into `table` in the session's transaction (text format, psycopg's escaping)."""
     raw = s.connection().connection.driver_connection
-    cols = ", ".join(columns)
-    with raw.cursor() as cur, cur.copy(f"COPY {table} ({cols}) FROM STDIN") as cp:
+    statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN"
+    with _as_sqlalchemy_errors(statement), raw.cursor() as cur, cur.copy(statement) as cp:
         for row in rows:
             cp.write_row(row)
+
+
+def execute_many(s: Session, statement: str, rows: Sequence[Sequence[Any]]) -> None:
+    """One prepared statement for many rows, pipelined (psycopg's executemany), in the session's transaction."""
+    raw = s.connection().connection.driver_connection
+    with _as_sqlalchemy_errors(statement), raw.cursor() as cur:
+        cur.executemany(statement, rows)

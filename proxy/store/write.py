@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from atdp_schema.models import Eligibility
 from proxy.store import tables as t
-from proxy.store.copy import copy_rows, int_array, jsonb, real_array, text_array
+from proxy.store.copy import copy_rows, execute_many, int_array, jsonb, real_array, text_array
 
 log = logging.getLogger("atdp.store")
 
@@ -227,9 +227,7 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
                 rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, jsonb(body), c.size,
                                                        jsonb(c.redaction))
     if rows:
-        raw = s.connection().connection.driver_connection
-        with raw.cursor() as cur:
-            cur.executemany(CONTENT_INSERT, [rows[k] for k in sorted(rows)])
+        execute_many(s, CONTENT_INSERT, [rows[k] for k in sorted(rows)])
 
     existing = set(s.scalars(select(t.Step.id).where(t.Step.id.in_([r.id for r in records]))))
     fresh = not_forgotten(s, [r for r in records if r.id not in existing])

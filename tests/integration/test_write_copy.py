@@ -81,3 +81,32 @@ def test_a_batch_of_many_sessions_numbers_each_in_order(factory, tenant):
     for i in range(7):
         mine = [r.id for r in recs if r.session.external_id == f"many-{i}"]
         assert [seq[x] for x in mine] == list(range(1, len(mine) + 1))
+
+
+def test_a_record_the_database_refuses_in_a_copy_is_set_aside_and_the_rest_written(factory, tenant, tmp_path):
+    """COPY raises psycopg's errors; the recorder must still see a refused *record* (and split the
+    batch around it), not a lost database (which would spool and retry the batch for ever)."""
+    from proxy.governance.policy import TenantPolicy
+    from proxy.record import deadletters
+    from proxy.record.recorder import Recorder
+    from proxy.record.spool import Spool
+
+    class NoRedaction:
+        def redact_many(self, items, *, with_values=False, operator=None):
+            return [(v, {}) for _, v in items]
+
+        def close(self) -> None:
+            pass
+
+    now = datetime.now(UTC)
+    good = _step(tenant, "refused-batch", now)
+    bad = _step(tenant, "refused-batch", now + timedelta(seconds=1), model="m" * 300)  # the column holds 256
+    spool = Spool(tmp_path / "spool")
+    rec = Recorder(secret=b"s", factory=factory, spool=spool, redactor=NoRedaction(),
+                   policy_for=lambda s, t: TenantPolicy())
+    rec._write([good, bad])
+    spool.close()
+    (letter,) = deadletters.read(tmp_path / "spool")
+    assert letter.reason.startswith("DataError")
+    with factory() as s:
+        assert s.get(t.Step, good.id) is not None and s.get(t.Step, bad.id) is None
