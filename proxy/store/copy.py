@@ -23,8 +23,9 @@ def _dumps(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def jsonb(value: Any) -> Jsonb | None:
-    return None if value is None else Jsonb(value, dumps=_dumps)
+def jsonb(value: Any) -> Jsonb:
+    """A JSONB parameter; None is JSON null, as SQLAlchemy's JSONB stores it (`contents.body` is NOT NULL)."""
+    return Jsonb(value, dumps=_dumps)
 
 
 def int_array(values: Iterable[int] | None) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from proxy.store import db
 from proxy.store import tables as t
@@ -32,7 +32,8 @@ def test_awkward_values_round_trip(factory, tenant):
     body = {"role": "user", "content": AWKWARD}
     first = _step(
         tenant, "copy-1", now, upstream=AWKWARD, eligibility_reason=AWKWARD,
-        contents=[ContentRow(hash="h-awkward", kind="message", body=body, size=99, redaction={"EMAIL": 1})],
+        contents=[ContentRow(hash="h-awkward", kind="message", body=body, size=99, redaction={"EMAIL": 1}),
+                  ContentRow(hash="h-none", kind="tool_result", body=None, size=4)],  # a tool result of null
         message_hashes=["h-awkward", 'odd"hash\\x'], params={"stop": ["a\x00b"], "temperature": 0.5},
         error={"message": "bad\x00byte", "nan": math.nan}, output_logprobs=[math.nan, -math.inf],
         output_mask=[1, 0], retention_until=now + timedelta(days=3), cost=0.125, ttft_ms=1.5,
@@ -49,6 +50,8 @@ def test_awkward_values_round_trip(factory, tenant):
     with factory() as s:
         a, b = s.get(t.Step, first.id), s.get(t.Step, second.id)
         content = s.get(t.Content, (tenant, "h-awkward"))
+        nulls = s.execute(text("SELECT (SELECT jsonb_typeof(body) FROM contents WHERE tenant_id = :t AND hash = 'h-none'),"
+                               " (SELECT jsonb_typeof(error) FROM steps WHERE id = :b)"), {"t": tenant, "b": second.id}).one()
         calls = list(s.scalars(select(t.ToolCall).where(t.ToolCall.step_id == first.id)))
     assert (a.seq, b.seq) == (1, 2) and a.session_id == b.session_id
     assert a.upstream == AWKWARD and a.eligibility_reason == AWKWARD
@@ -59,6 +62,7 @@ def test_awkward_values_round_trip(factory, tenant):
     assert math.isnan(a.output_logprobs[0]) and a.output_logprobs[1] == -math.inf
     assert list(a.prompt_token_ids) == [1, 2, 3] and list(a.output_token_ids) == [4, 5]
     assert a.output_mask == [1, 0] and b.output_mask is None
+    assert tuple(nulls) == ("null", "null")  # JSON null, as the INSERT path stored None
     assert a.output_versions == [["base", 2]]
     assert a.retention_until == first.retention_until and a.started_at == now
     assert (a.cost, a.ttft_ms) == (0.125, 1.5)
