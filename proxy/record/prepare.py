@@ -49,8 +49,8 @@ class TokenCache:
         self._total = 0
         self.max_tokens = max_tokens
 
-    def put(self, step_id: str, ids: list[int]) -> None:
-        a = array("i", ids)
+    def put(self, step_id: str, ids: list[int] | array) -> None:
+        a = ids if isinstance(ids, array) else array("i", ids)
         self._items[step_id] = a
         self._total += len(a)
         while self._total > self.max_tokens and self._items:
@@ -263,10 +263,12 @@ class Preparer:
         # Store the prompt as the suffix after the parent's prompt+output (history stored once).
         prefix_len = 0
         parent_seq = self.tokens.get(st.parent_step_id)
-        if tokens.source in TRAINABLE_SOURCES and parent_seq is not None:
-            prefix_len = common_prefix(parent_seq, tokens.prompt_ids)
-        if tokens.source in TRAINABLE_SOURCES:  # cached as stored, so prefixes rebuild exactly
-            self.tokens.put(st.step_id, tokens.prompt_ids + tokens.output_ids)
+        if tokens.source in TRAINABLE_SOURCES:
+            prompt = array("i", tokens.prompt_ids)  # once: compared, then cached (C-speed slices)
+            if parent_seq is not None:
+                prefix_len = common_prefix(parent_seq, prompt)
+            prompt.extend(tokens.output_ids)  # cached as stored, so prefixes rebuild exactly
+            self.tokens.put(st.step_id, prompt)
 
         eligibility, reason = decide_eligibility(
             policy, status=st.status, redaction_counts=report, tokens_available=tokens.source in TRAINABLE_SOURCES,

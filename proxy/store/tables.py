@@ -154,7 +154,6 @@ class Step(Base):
         UniqueConstraint("session_id", "seq", name="uq_steps_session_seq"),
         Index("ix_steps_tenant_started", "tenant_id", "started_at"),
         Index("ix_steps_model_version", "model_version"),
-        Index("ix_steps_transcript", "tenant_id", "transcript_hash"),
         # The trainer's work queue: eligible, not yet trained steps.
         Index(
             "ix_steps_trainable",

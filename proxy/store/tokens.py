@@ -3,6 +3,7 @@ parent's prompt + output (`prompt_prefix_len`), and rebuilt from that prefix cha
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,20 +17,28 @@ TRAINABLE_SOURCES: tuple[str, ...] = (TokenSource.engine, TokenSource.rederived)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids two sequences share."""
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in blocks first: most of a long prompt is a shared prefix.
-    step = 256
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """How many leading ids two sequences share (lists or `array('i')`, in any mix)."""
+    # Compare as machine-int arrays: slices of two arrays compare in C, while an array never equals a
+    # list (the writer's cache holds arrays, prompts arrive as lists).
+    x = a if isinstance(a, array) else array("i", a)
+    y = b if isinstance(b, array) else array("i", b)
+    n = min(len(x), len(y))
+    if x[:n] == y[:n]:  # the usual case: the parent's sequence is a prefix of the prompt
+        return n
+    lo, hi = 0, n  # x[:lo] == y[:lo], x[:hi] != y[:hi]: bisect on the first mismatch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x[lo:mid] == y[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def rle(values: list[str]) -> list[list[Any]]:
     """Run-length encode per-token versions: ["a","a","b"] -> [["a", 2], ["b", 1]]."""
+    if values and values.count(values[0]) == len(values):  # the usual case: one version (C-speed count)
+        return [[values[0], len(values)]]
     runs: list[list[Any]] = []
     for v in values:
         if runs and runs[-1][0] == v:

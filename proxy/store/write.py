@@ -14,12 +14,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import func, or_, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from atdp_schema.models import Eligibility
 from proxy.store import tables as t
+from proxy.store.copy import copy_rows, execute_many, int_array, jsonb, real_array, text_array
 
 log = logging.getLogger("atdp.store")
 
@@ -171,6 +172,38 @@ def not_forgotten(s: Session, records: list[StepRecord]) -> list[StepRecord]:
     return kept
 
 
+CONTENT_INSERT = ("INSERT INTO contents (tenant_id, hash, kind, body, size, redaction) "
+                  "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING")
+CALL_COLUMNS = ("step_id", "call_id", "session_id", "tenant_id", "name", "arguments")
+LINK_UPDATE = """
+UPDATE tool_calls tc SET result_step_id = v.step_id, result_hash = v.hash, is_error = v.err
+  FROM unnest(CAST(:sid AS text[]), CAST(:cid AS text[]), CAST(:step AS text[]), CAST(:hash AS text[]),
+              CAST(:err AS boolean[])) AS v(session_id, call_id, step_id, hash, err)
+ WHERE tc.session_id = v.session_id AND tc.call_id = v.call_id AND tc.result_step_id IS NULL"""
+STEP_COLUMNS = (
+    "id", "session_id", "tenant_id", "seq", "parent_step_id", "api", "status", "error", "upstream", "model",
+    "model_version", "system_hash", "tools_hash", "history_len", "message_hashes", "transcript_hash", "params",
+    "output_hash", "token_source", "prompt_prefix_len", "prompt_token_ids", "output_token_ids", "output_logprobs",
+    "output_versions", "output_mask", "finish_reason", "started_at", "ttft_ms", "total_ms", "prompt_tokens",
+    "completion_tokens", "cost", "redaction", "eligibility", "eligibility_reason", "visibility", "retention_until",
+    "replay_of",
+)
+
+
+def _step_row(r: StepRecord, sid: str, seq: int) -> tuple:
+    """One `steps` row for COPY, in STEP_COLUMNS' order."""
+    return (
+        r.id, sid, r.session.tenant_id, seq, r.parent_step_id, r.api, r.status,
+        jsonb(pg_safe(r.error) if r.error and _has_nul(r.error) else r.error), r.upstream, r.model, r.model_version,
+        r.system_hash, r.tools_hash, r.history_len, text_array(r.message_hashes), r.transcript_hash,
+        jsonb(pg_safe(r.params) if _has_nul(r.params) else r.params), r.output_hash, r.token_source,
+        r.prompt_prefix_len, int_array(r.prompt_token_ids), int_array(r.output_token_ids),
+        real_array(r.output_logprobs), jsonb(r.output_versions), int_array(r.output_mask), r.finish_reason,
+        r.started_at, r.ttft_ms, r.total_ms, r.prompt_tokens, r.completion_tokens, r.cost, jsonb(r.redaction),
+        r.eligibility, r.eligibility_reason, r.visibility, r.retention_until, r.replay_of,
+    )
+
+
 def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     """Insert a batch of step records (idempotent by step id). Returns how many were new.
 
@@ -184,19 +217,17 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     tenants = sorted({r.session.tenant_id for r in records})
     s.execute(insert(t.Tenant).values([{"id": x} for x in tenants]).on_conflict_do_nothing())
 
-    # Contents (deduplicated across the batch; rows already stored are left alone).
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    # Contents (deduplicated across the batch; rows already stored are left alone). One prepared
+    # statement, pipelined (psycopg's executemany), in a stable order across concurrent writers.
+    rows: dict[tuple[str, str], tuple] = {}
     for r in records:
         for c in r.contents:
             if (r.session.tenant_id, c.hash) not in rows:
                 body = pg_safe(c.body) if _has_nul(c.body) else c.body
-                rows[(r.session.tenant_id, c.hash)] = {
-                    "tenant_id": r.session.tenant_id, "hash": c.hash, "kind": c.kind, "body": body,
-                    "size": c.size, "redaction": c.redaction}
+                rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, jsonb(body), c.size,
+                                                       jsonb(c.redaction))
     if rows:
-        ordered = [rows[k] for k in sorted(rows)]  # stable lock order across concurrent writers
-        for i in range(0, len(ordered), 1000):
-            s.execute(insert(t.Content).values(ordered[i : i + 1000]).on_conflict_do_nothing())
+        execute_many(s, CONTENT_INSERT, [rows[k] for k in sorted(rows)])
 
     existing = set(s.scalars(select(t.Step.id).where(t.Step.id.in_([r.id for r in records]))))
     fresh = not_forgotten(s, [r for r in records if r.id not in existing])
@@ -234,43 +265,27 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
                   .group_by(t.Step.session_id)).all()
     )
 
-    step_rows, call_rows, links = [], [], []
+    step_rows, call_rows, links = [], {}, {}
     for r in fresh:
         sid = sid_of[(r.session.tenant_id, r.session.external_id)]
         next_seq[sid] += 1
-        step_rows.append({
-            "id": r.id, "session_id": sid, "tenant_id": r.session.tenant_id, "seq": next_seq[sid],
-            "parent_step_id": r.parent_step_id, "api": r.api, "status": r.status,
-            "error": pg_safe(r.error) if r.error and _has_nul(r.error) else r.error,
-            "upstream": r.upstream, "model": r.model, "model_version": r.model_version,
-            "system_hash": r.system_hash, "tools_hash": r.tools_hash, "history_len": r.history_len,
-            "message_hashes": r.message_hashes, "transcript_hash": r.transcript_hash,
-            "params": pg_safe(r.params) if _has_nul(r.params) else r.params,
-            "output_hash": r.output_hash, "token_source": r.token_source, "prompt_prefix_len": r.prompt_prefix_len,
-            "prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
-            "output_logprobs": r.output_logprobs, "output_versions": r.output_versions,
-            "output_mask": r.output_mask, "finish_reason": r.finish_reason, "started_at": r.started_at,
-            "ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens, "cost": r.cost, "redaction": r.redaction,
-            "eligibility": r.eligibility, "eligibility_reason": r.eligibility_reason,
-            "visibility": r.visibility, "retention_until": r.retention_until, "replay_of": r.replay_of,
-        })
+        step_rows.append(_step_row(r, sid, next_seq[sid]))
         # A tool name is whatever the model generated: cut to the column (256) rather than have the
-        # database refuse the whole step (a dead letter for a call the client got 200 for).
-        call_rows += [{"step_id": r.id, "call_id": tc.call_id, "session_id": sid, "tenant_id": r.session.tenant_id,
-                       "name": pg_safe(tc.name)[:256], "arguments": pg_safe(tc.arguments)} for tc in r.tool_calls]
-        links += [(sid, r.id, tr) for tr in r.tool_results]
-    s.execute(insert(t.Step), step_rows)
+        # database refuse the whole step (a dead letter for a call the client got 200 for). A call id
+        # the model repeated within one step is kept once (the first), as before.
+        for tc in r.tool_calls:
+            call_rows.setdefault((r.id, tc.call_id), (r.id, tc.call_id, sid, r.session.tenant_id,
+                                                      pg_safe(tc.name)[:256], jsonb(pg_safe(tc.arguments))))
+        for tr in r.tool_results:  # the first result for a call links it (as the per-row updates did)
+            links.setdefault((sid, tr.call_id), (sid, tr.call_id, r.id, tr.result_hash, tr.is_error))
+    copy_rows(s, "steps", STEP_COLUMNS, step_rows)
     if call_rows:
-        s.execute(insert(t.ToolCall).on_conflict_do_nothing(), call_rows)
-    for sid, step_id, tr in links:
-        # Link the result to the call that asked for it (same session; the open call with that id).
-        s.execute(
-            update(t.ToolCall)
-            .where(t.ToolCall.session_id == sid, t.ToolCall.call_id == tr.call_id, t.ToolCall.result_step_id.is_(None))
-            .values(result_step_id=step_id, result_hash=tr.result_hash, is_error=tr.is_error)
-            .execution_options(synchronize_session=False)
-        )
+        copy_rows(s, "tool_calls", CALL_COLUMNS, call_rows.values())
+    if links:
+        # Link each result to the open call that asked for it (same session, that call id): one statement.
+        cols = list(zip(*links.values(), strict=True))
+        s.execute(text(LINK_UPDATE), {"sid": list(cols[0]), "cid": list(cols[1]), "step": list(cols[2]),
+                                      "hash": list(cols[3]), "err": [bool(x) for x in cols[4]]})
     return len(fresh)
 
 

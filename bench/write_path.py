@@ -1,0 +1,208 @@
+"""The writer's sustained steps/s and CPU per step, straight into PostgreSQL (no HTTP).
+
+Feeds agent-sized captured steps (bench/agent_steps.py: many concurrent tool-using sessions, token
+ids growing turn by turn) through the writer's own path, `Recorder.persist_now` (content addressing,
+records, prefix storage, the insert transaction), in the writer's batches. Redaction is scaled
+separately (its own workers: bench/redaction_throughput.py measures them), so here the redactor is a
+pass-through and the figures are the writer's and PostgreSQL's own cost.
+
+Reports per round: sustained steps/s (wall), the writer's CPU ms per step (this process, user+sys)
+and PostgreSQL's CPU ms per step (the writer's own backend, from /proc: Linux, local server only),
+and the load average. With --baseline REF the same rounds run on that git ref too (its tree
+extracted to a temporary folder, its own migrations), interleaved, so both sides share the load.
+
+  python bench/write_path.py --database-url postgresql://postgres@127.0.0.1:5432/postgres \
+      [--baseline main] [--sessions 200] [--turns 30] [--rounds 2] [--batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+
+class PassThrough:
+    """The redaction workers' answer for text with nothing to redact: the value itself, no counts."""
+
+    def redact_value(self, value, tenant, *, found=None, operator=False):
+        return value, {}
+
+    def redact_many(self, items, *, with_values=False, operator=None):
+        return [(v, {}, []) if with_values else (v, {}) for _, v in items]
+
+    def close(self) -> None:
+        pass
+
+
+def proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int) -> dict:
+    """Create a database, migrate it with this tree's migrations, write the steps, measure, drop it."""
+    from agent_steps import interleaved
+    from sqlalchemy import create_engine, event
+
+    from proxy.governance.policy import TenantPolicy
+    from proxy.record.recorder import Recorder
+    from proxy.record.spool import Spool
+    from proxy.store import db
+
+    name = f"atdp_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(db.sqlalchemy_url(admin_url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = db.sqlalchemy_url(admin_url).rsplit("/", 1)[0] + f"/{name}"
+    try:
+        db.upgrade(url)
+        engine = db.make_engine(url, pool_size=1, max_overflow=0)
+        backends: list[int] = []
+
+        @event.listens_for(engine, "connect")
+        def _pid(conn, _record) -> None:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_backend_pid()")
+                backends.append(cur.fetchone()[0])
+
+        steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)
+        # The whole load is built up front (tens of millions of token ids); out of the collector's
+        # sight, as the writer child freezes its start-up heap, or full collections walking it would
+        # be most of what is measured. In production only the batch in flight is in memory.
+        gc.collect()
+        gc.freeze()
+        with tempfile.TemporaryDirectory() as spool_dir:
+            rec = Recorder(secret=b"bench-secret", factory=db.session_factory(engine), spool=Spool(Path(spool_dir)),
+                           redactor=PassThrough(), policy_for=lambda s, tenant: TenantPolicy(),
+                           batch_size=batch)
+            rec.persist_now(steps[:batch])  # connect, warm the caches
+            steps = steps[batch:]
+            pg0 = sum(proc_cpu(p) for p in backends)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            prep = 0.0
+            for i in range(0, len(steps), batch):
+                # persist_now's two halves, timed apart: prepare (content addressing, records, token
+                # prefixes) and the write (one transaction).
+                c0 = time.process_time()
+                records = rec.prepare(steps[i : i + batch])
+                prep += time.process_time() - c0
+                rec._persist(records)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            pg = sum(proc_cpu(p) for p in backends) - pg0
+            with engine.connect() as c:
+                written = c.exec_driver_sql("SELECT count(*) FROM steps").scalar_one()
+            rec.spool.close()
+        engine.dispose()
+        n = len(steps)
+        return {"steps": n, "written_total": written, "spooled": rec.stats["spooled"], "wall_s": round(wall, 3),
+                "steps_per_s": round(n / wall, 1), "writer_cpu_ms_per_step": round(1000 * cpu / n, 3),
+                "prepare_cpu_ms_per_step": round(1000 * prep / n, 3), "write_cpu_ms_per_step": round(1000 * (cpu - prep) / n, 3),
+                "pg_cpu_ms_per_step": round(1000 * pg / n, 3),
+                "cpu_bound_steps_per_s": round(n / (cpu + pg), 1) if cpu + pg else None,
+                "load_avg_1m": os.getloadavg()[0]}
+    finally:
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def redaction_cpu(sessions: int, turns: int, seed: int) -> dict:
+    """CPU per step of the redaction the pass-through stands in for: every distinct content of the same
+    agent steps through one in-process `Redactor` (what each redaction worker runs), process CPU time."""
+    from agent_steps import interleaved
+
+    from proxy.governance.redaction import RedactionConfig, Redactor
+    from proxy.store.content import canonical
+
+    steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)
+    seen: dict[bytes, tuple[str, object]] = {}
+    for st in steps:
+        for value in [st.system, st.tools, st.action, *st.new_messages, *(r.content for r in st.tool_results)]:
+            seen.setdefault(canonical(value), ("bench", value))
+    redactor = Redactor(RedactionConfig(salt=b"bench-secret"))
+    redactor.redact_many([("bench", "warm up: call me at jane@example.com")])
+    items = list(seen.values())
+    kb = sum(len(k) for k in seen) / 1024
+    c0 = time.process_time()
+    redactor.redact_many(items)
+    cpu = time.process_time() - c0
+    return {"steps": len(steps), "distinct_contents": len(items), "new_kb_per_step": round(kb / len(steps), 2),
+            "redaction_cpu_ms_per_step": round(1000 * cpu / len(steps), 3),
+            "redaction_cpu_ms_per_kb": round(1000 * cpu / kb, 3), "load_avg_1m": os.getloadavg()[0]}
+
+
+def baseline_tree(ref: str, into: Path) -> Path:
+    """`ref`'s tracked files in `into`, with this checkout's bench builders copied in."""
+    root = HERE.parent
+    archive = subprocess.run(["git", "-C", str(root), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    for f in ("agent_steps.py", "write_path.py", "redaction_throughput.py"):
+        shutil.copy(HERE / f, into / "bench" / f)
+    return into
+
+
+def run_in(tree: Path, args: argparse.Namespace, seed: int) -> dict:
+    cmd = [sys.executable, str(tree / "bench" / "write_path.py"), "--single", "--database-url", args.database_url,
+           "--sessions", str(args.sessions), "--turns", str(args.turns), "--batch", str(args.batch), "--seed", str(seed)]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=tree)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--database-url", default=os.environ.get("ATDP_TEST_DATABASE_URL"), required=False)
+    ap.add_argument("--sessions", type=int, default=200)
+    ap.add_argument("--turns", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--baseline", help="a git ref to measure side by side (e.g. main)")
+    ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--redaction", action="store_true",
+                    help="instead: the CPU per step of redacting the same steps' contents (one in-process Redactor)")
+    args = ap.parse_args()
+    if not args.database_url and not args.redaction:
+        ap.error("--database-url (or ATDP_TEST_DATABASE_URL): a PostgreSQL server where databases may be created")
+    if args.redaction:
+        print(json.dumps(redaction_cpu(args.sessions, args.turns, args.seed)))
+        return 0
+    if args.single:
+        print(json.dumps(one_round(args.database_url, args.sessions, args.turns, args.batch, args.seed)))
+        return 0
+    trees = {"this checkout": HERE.parent}
+    tmp = tempfile.TemporaryDirectory()
+    if args.baseline:
+        trees = {f"baseline ({args.baseline})": baseline_tree(args.baseline, Path(tmp.name)), **trees}
+    results: dict[str, list[dict]] = {k: [] for k in trees}
+    for r in range(args.rounds):
+        for label, tree in trees.items():
+            res = run_in(tree, args, args.seed + r)
+            results[label].append(res)
+            print(f"round {r + 1} {label}: {json.dumps(res)}", flush=True)
+    print(f"\n{args.sessions} sessions x {args.turns} turns, batches of {args.batch}, {os.cpu_count()} CPUs")
+    print(f"{'':28} {'steps/s':>9} {'writer ms/step':>15} {'(prepare+write)':>16} {'pg ms/step':>11} {'cpu-bound steps/s':>18} {'load':>6}")
+    for label, rows in results.items():
+        for res in rows:
+            print(f"{label:28} {res['steps_per_s']:>9} {res['writer_cpu_ms_per_step']:>15} "
+                  f"{res['prepare_cpu_ms_per_step']:>7}+{res['write_cpu_ms_per_step']:<8} {res['pg_cpu_ms_per_step']:>11} {res['cpu_bound_steps_per_s']:>18} {res['load_avg_1m']:>6.1f}")
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

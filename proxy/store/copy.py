@@ -1,0 +1,70 @@
+"""Bulk writes with PostgreSQL's COPY, inside the caller's SQLAlchemy transaction.
+
+The writer's hot path: one COPY per table per batch instead of SQLAlchemy compiling a many-row
+INSERT (most of the writer's CPU went there and into psycopg's per-element array dumping). Arrays
+are sent as their text literals, built here with `str.join` (C speed), and JSON through orjson.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg.types.json import Jsonb
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+
+def _dumps(value: Any) -> str:
+    # orjson writes NaN and infinity as null (JSONB has neither), as the old path's pg_safe did.
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def jsonb(value: Any) -> Jsonb:
+    """A JSONB parameter; None is JSON null, as SQLAlchemy's JSONB stores it (`contents.body` is NOT NULL)."""
+    return Jsonb(value, dumps=_dumps)
+
+
+def int_array(values: Iterable[int] | None) -> str | None:
+    """An `integer[]` literal: '{1,2,3}'."""
+    return None if values is None else "{" + ",".join(map(str, values)) + "}"
+
+
+def real_array(values: Iterable[float]) -> str:
+    """A `real[]` literal. Python writes NaN and infinities as nan, inf, -inf: PostgreSQL reads those."""
+    return "{" + ",".join(map(repr, values)) + "}"
+
+
+def text_array(values: Sequence[str]) -> str:
+    """A `varchar[]` literal (content hashes: quoted anyway, so any text is safe)."""
+    return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+
+
+@contextmanager
+def _as_sqlalchemy_errors(statement: str) -> Iterator[None]:
+    """psycopg's errors as SQLAlchemy's (DataError, IntegrityError, ...), as `Session.execute` raises
+    them: the recorder splits a batch the database refuses for its content and sets the bad record
+    aside, and tells that apart from a lost connection by these classes."""
+    try:
+        yield
+    except psycopg.Error as e:
+        raise DBAPIError.instance(statement, None, e, psycopg.Error) from e
+
+
+def copy_rows(s: Session, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """COPY `rows` into `table` in the session's transaction (text format, psycopg's escaping)."""
+    raw = s.connection().connection.driver_connection
+    statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN"
+    with _as_sqlalchemy_errors(statement), raw.cursor() as cur, cur.copy(statement) as cp:
+        for row in rows:
+            cp.write_row(row)
+
+
+def execute_many(s: Session, statement: str, rows: Sequence[Sequence[Any]]) -> None:
+    """One prepared statement for many rows, pipelined (psycopg's executemany), in the session's transaction."""
+    raw = s.connection().connection.driver_connection
+    with _as_sqlalchemy_errors(statement), raw.cursor() as cur:
+        cur.executemany(statement, rows)

@@ -1,0 +1,116 @@
+"""The writer's COPY path on real PostgreSQL: what a row can hold comes back exactly, or as the old
+INSERT path stored it (NUL as U+FFFD, NaN in JSON as null); tool results link; re-sent batches add nothing."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select, text
+
+from proxy.store import db
+from proxy.store import tables as t
+from proxy.store.ids import new_id
+from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, write_steps
+
+AWKWARD = 'tab\there, newline\nthere, back\\slash, "quotes", comma, {braces}, \\N, é, 🙂'
+
+
+def _step(tenant: str, ext: str, when: datetime, **kw) -> StepRecord:
+    base = dict(
+        id=new_id(), session=SessionInfo(tenant_id=tenant, external_id=ext, client="test"), api="chat.completions",
+        status="ok", started_at=when, model="tiny", model_version="base", token_source="engine",
+        prompt_token_ids=[1, 2, 3], output_token_ids=[4, 5], output_logprobs=[-0.25, -1.5],
+        output_versions=[["base", 2]], eligibility="eligible", finish_reason="stop",
+    )
+    base.update(kw)
+    return StepRecord(**base)
+
+
+def test_awkward_values_round_trip(factory, tenant):
+    now = datetime.now(UTC)
+    body = {"role": "user", "content": AWKWARD}
+    first = _step(
+        tenant, "copy-1", now, upstream=AWKWARD, eligibility_reason=AWKWARD,
+        contents=[ContentRow(hash="h-awkward", kind="message", body=body, size=99, redaction={"EMAIL": 1}),
+                  ContentRow(hash="h-none", kind="tool_result", body=None, size=4)],  # a tool result of null
+        message_hashes=["h-awkward", 'odd"hash\\x'], params={"stop": ["a\x00b"], "temperature": 0.5},
+        error={"message": "bad\x00byte", "nan": math.nan}, output_logprobs=[math.nan, -math.inf],
+        output_mask=[1, 0], retention_until=now + timedelta(days=3), cost=0.125, ttft_ms=1.5,
+        tool_calls=[ToolCallRow(call_id="c1", name="n" * 300, arguments={"path": "a\x00b"}),
+                    ToolCallRow(call_id="c1", name="again", arguments={})],  # a repeated id: the first is kept
+    )
+    second = _step(tenant, "copy-1", now + timedelta(seconds=1), parent_step_id=first.id, output_mask=None,
+                   tool_results=[ToolResultRow(call_id="c1", result_hash="h-result", is_error=True),
+                                 ToolResultRow(call_id="c1", result_hash="h-later", is_error=False)])
+    with db.transaction(factory) as s:
+        assert write_steps(s, [first, second], new_id) == 2
+    with db.transaction(factory) as s:  # the same batch again (a re-sent one): nothing new
+        assert write_steps(s, [first, second], new_id) == 0
+    with factory() as s:
+        a, b = s.get(t.Step, first.id), s.get(t.Step, second.id)
+        content = s.get(t.Content, (tenant, "h-awkward"))
+        nulls = s.execute(text("SELECT (SELECT jsonb_typeof(body) FROM contents WHERE tenant_id = :t AND hash = 'h-none'),"
+                               " (SELECT jsonb_typeof(error) FROM steps WHERE id = :b)"), {"t": tenant, "b": second.id}).one()
+        calls = list(s.scalars(select(t.ToolCall).where(t.ToolCall.step_id == first.id)))
+    assert (a.seq, b.seq) == (1, 2) and a.session_id == b.session_id
+    assert a.upstream == AWKWARD and a.eligibility_reason == AWKWARD
+    assert content.body == body and content.redaction == {"EMAIL": 1} and content.size == 99
+    assert a.message_hashes == ["h-awkward", 'odd"hash\\x']
+    assert a.params == {"stop": ["a\ufffdb"], "temperature": 0.5}
+    assert a.error == {"message": "bad\ufffdbyte", "nan": None}
+    assert math.isnan(a.output_logprobs[0]) and a.output_logprobs[1] == -math.inf
+    assert list(a.prompt_token_ids) == [1, 2, 3] and list(a.output_token_ids) == [4, 5]
+    assert a.output_mask == [1, 0] and b.output_mask is None
+    assert tuple(nulls) == ("null", "null")  # JSON null, as the INSERT path stored None
+    assert a.output_versions == [["base", 2]]
+    assert a.retention_until == first.retention_until and a.started_at == now
+    assert (a.cost, a.ttft_ms) == (0.125, 1.5)
+    assert len(calls) == 1
+    call = calls[0]
+    assert call.name == "n" * 256 and call.arguments == {"path": "a\ufffdb"}
+    # The first result for the call links it.
+    assert (call.result_step_id, call.result_hash, call.is_error) == (second.id, "h-result", True)
+
+
+def test_a_batch_of_many_sessions_numbers_each_in_order(factory, tenant):
+    now = datetime.now(UTC)
+    recs = [_step(tenant, f"many-{i % 7}", now + timedelta(milliseconds=i)) for i in range(300)]
+    with db.transaction(factory) as s:
+        assert write_steps(s, recs, new_id) == 300
+    with factory() as s:
+        rows = s.execute(select(t.Step.id, t.Step.seq, t.Session.external_id).join(t.Session)
+                         .where(t.Step.tenant_id == tenant)).all()
+    seq = {sid: n for sid, n, _ in rows}
+    for i in range(7):
+        mine = [r.id for r in recs if r.session.external_id == f"many-{i}"]
+        assert [seq[x] for x in mine] == list(range(1, len(mine) + 1))
+
+
+def test_a_record_the_database_refuses_in_a_copy_is_set_aside_and_the_rest_written(factory, tenant, tmp_path):
+    """COPY raises psycopg's errors; the recorder must still see a refused *record* (and split the
+    batch around it), not a lost database (which would spool and retry the batch for ever)."""
+    from proxy.governance.policy import TenantPolicy
+    from proxy.record import deadletters
+    from proxy.record.recorder import Recorder
+    from proxy.record.spool import Spool
+
+    class NoRedaction:
+        def redact_many(self, items, *, with_values=False, operator=None):
+            return [(v, {}) for _, v in items]
+
+        def close(self) -> None:
+            pass
+
+    now = datetime.now(UTC)
+    good = _step(tenant, "refused-batch", now)
+    bad = _step(tenant, "refused-batch", now + timedelta(seconds=1), model="m" * 300)  # the column holds 256
+    spool = Spool(tmp_path / "spool")
+    rec = Recorder(secret=b"s", factory=factory, spool=spool, redactor=NoRedaction(),
+                   policy_for=lambda s, t: TenantPolicy())
+    rec._write([good, bad])
+    spool.close()
+    (letter,) = deadletters.read(tmp_path / "spool")
+    assert letter.reason.startswith("DataError")
+    with factory() as s:
+        assert s.get(t.Step, good.id) is not None and s.get(t.Step, bad.id) is None
