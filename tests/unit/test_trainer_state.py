@@ -36,7 +36,7 @@ def _plan(version: str, checkpoint: Path) -> Plan:
                    output_mask=[1, 1, 1], prompt_exact=True, reward=float(k), version_lag=0)
         for k in range(2)
     ]
-    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=64)
+    samples = build_samples(steps, mode="step", turn_discount=1.0, max_len=64)
     adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
     return Plan(kind="train", samples=samples, advantages=adv, version_name=version, checkpoint=str(checkpoint))
 
