@@ -106,6 +106,11 @@ class TrainConfig:
     policies: Policies = field(default_factory=Policies)
     gate: DiagnosisGate | None = None  # --when diagnosed: train only while a policy update is recommended
 
+    def __post_init__(self) -> None:
+        # Checked before anything is leased (build_samples would refuse it after the lease).
+        if self.samples == "trajectory" and self.turn_discount != 1.0:
+            raise ValueError("turn_discount applies to step samples only: a trajectory gives every turn its reward")
+
 
 @dataclass
 class Plan:
