@@ -117,6 +117,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     p.add_argument("--steps", type=int, default=72, help="the demo's round: 48 sessions, up to 2 steps, 25%% held out")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for vLLM to start (busy machines)")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -130,7 +131,7 @@ def main() -> None:
     result: dict = {"model": args.model, "steps": args.steps, "cpus": os.cpu_count(), "idle": [], "stopped": []}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "steps.json"
-        with VLLMServer(python=python, model_dir=model_dir, served_name="m") as server:
+        with VLLMServer(python=python, model_dir=model_dir, served_name="m", ready_timeout=args.start_timeout) as server:
             data.write_text(json.dumps(sample(server.base_url, args.steps)))
             time.sleep(5)  # past the worker's 1 s busy-poll after the last call
             for r in range(args.repeats):

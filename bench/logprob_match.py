@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prompts", default="tuning", choices=["tuning", "heldout"],
                    help="tuning: the questions the rounding points were found on; heldout: disjoint ones")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for vLLM to start (busy machines)")
     p.add_argument("--out")
     args = p.parse_args()
     python = find_vllm_python()
@@ -137,7 +138,8 @@ def main() -> None:
         else:
             fresh = write_checkpoint(gather_full_state_dict(load_model(base, dtype="fp32", grad_checkpointing=False)),
                                      base_dir=base, out_dir=Path(tmp) / "fresh", dtype="fp32")
-        with VLLMServer(python=python, model_dir=base, served_name="m", dtype=args.engine_dtype) as server:
+        with VLLMServer(python=python, model_dir=base, served_name="m", dtype=args.engine_dtype,
+                        ready_timeout=args.start_timeout) as server:
 
             swap_weights(server.base_url, fresh, "fresh")
             steps = sample(server.base_url, args.requests, args.max_tokens,
