@@ -107,7 +107,7 @@ def run(setting: Setting, base: Path, seed: int, rounds: int) -> list[float]:
                             output_ids=outs[i], behaviour_logprobs=lps[i], output_versions=["v"] * MAX_TOKENS,
                             output_mask=[1] * MAX_TOKENS, prompt_exact=True, reward=rewards[i], version_lag=0)
                  for i in range(SESSIONS)]
-        samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=4096)
+        samples = build_samples(steps, mode="step", turn_discount=1.0, max_len=4096)
         adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True,
                                sessions=[s.session_id for s in samples])
         mbs = micro_batches(samples, adv, pad_id=0, max_tokens=8192)

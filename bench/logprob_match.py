@@ -19,7 +19,7 @@ of |logp_train - logp_behaviour| overall and by output position, with the CPU it
 engine's bf16 numerics, not a token or alignment error. `--model smollm2` measures SmolLM2-135M.
 
   python bench/logprob_match.py [--model tiny|smollm2] [--engine-dtype bfloat16|float32] [--requests 16]
-                                [--out FILE]
+                                [--prompts tuning|heldout] [--out FILE]
 """
 
 from __future__ import annotations
@@ -47,14 +47,19 @@ from trainer.model import load_model  # noqa: E402
 
 QUESTIONS = ["what is 12 + 7?", "the quick brown fox", "hello there", "say a number", "write a poem",
              "tell me about the sea", "one two three", "how are you today?"]
+# Never used to choose a rounding point (those were found on QUESTIONS; the probe has its own
+# prompts, numerics.PROBE_PROMPTS): `--prompts heldout` measures the emulation on data it was not fit to.
+HELDOUT = ["Name two rivers in Europe.", "Why is the sky blue?", "Describe a cat in one line.",
+           "What is 9 times 8?", "Suggest a name for a bakery.", "Explain recursion to a child.",
+           "Write a short apology for being late.", "What day comes after Tuesday?"]
 
 
-def sample(base_url: str, n: int, max_tokens: int) -> list[StepTokens]:
+def sample(base_url: str, n: int, max_tokens: int, questions: list[str]) -> list[StepTokens]:
     steps = []
     with httpx.Client(base_url=base_url, timeout=120) as client:
         for i in range(n):
             body = client.post("/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                "model": "m", "messages": [{"role": "user", "content": questions[i % len(questions)]}],
                 "max_tokens": max_tokens, "temperature": 1.0, "seed": i, "logprobs": True, "return_token_ids": True,
             }).json()
             choice = body["choices"][0]
@@ -73,7 +78,7 @@ NUMERICS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "engine_bf16": ("fp3
 
 
 def diffs(model_dir: Path, steps: list[StepTokens], numerics: str) -> tuple[list[float], list[int]]:
-    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=4096)
+    samples = build_samples(steps, mode="step", turn_discount=1.0, max_len=4096)
     batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
     dtype, engine = NUMERICS[numerics]
     model = load_model(model_dir, dtype=dtype, grad_checkpointing=False, engine_numerics=engine).eval()
@@ -116,6 +121,9 @@ def main() -> None:
     p.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prompts", default="tuning", choices=["tuning", "heldout"],
+                   help="tuning: the questions the rounding points were found on; heldout: disjoint ones")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for vLLM to start (busy machines)")
     p.add_argument("--out")
     args = p.parse_args()
     python = find_vllm_python()
@@ -130,12 +138,15 @@ def main() -> None:
         else:
             fresh = write_checkpoint(gather_full_state_dict(load_model(base, dtype="fp32", grad_checkpointing=False)),
                                      base_dir=base, out_dir=Path(tmp) / "fresh", dtype="fp32")
-        with VLLMServer(python=python, model_dir=base, served_name="m", dtype=args.engine_dtype) as server:
+        with VLLMServer(python=python, model_dir=base, served_name="m", dtype=args.engine_dtype,
+                        ready_timeout=args.start_timeout) as server:
 
             swap_weights(server.base_url, fresh, "fresh")
-            steps = sample(server.base_url, args.requests, args.max_tokens)
+            steps = sample(server.base_url, args.requests, args.max_tokens,
+                           HELDOUT if args.prompts == "heldout" else QUESTIONS)
             probe = numerics.probe(fresh, server.base_url)
-        result = {"model": args.model, "weights": args.weights, "engine_dtype": args.engine_dtype, "requests": args.requests, "cpu": cpu(),
+        result = {"model": args.model, "weights": args.weights, "engine_dtype": args.engine_dtype, "requests": args.requests,
+                  "prompts": args.prompts, "cpu": cpu(),
                   "detected": probe.profile, "probe_medians": {k: round(v, 4) for k, v in probe.medians.items()}}
         for name in NUMERICS:
             result[f"trainer_{name}"] = summary(*diffs(fresh, steps, name))

@@ -193,8 +193,9 @@ class Settings(BaseSettings):
     train_lr: float = Field(1e-5, description="AdamW learning rate")
     train_weight_decay: float = Field(0.0, description="AdamW weight decay")
     train_ppo_epochs: int = Field(1, description="optimizer steps per batch")
-    train_mode: str = Field("auto", description="per_step | concat | auto")
-    train_turn_discount: float = Field(1.0, description="earlier turns get reward * discount**k")
+    train_samples: str = Field("trajectory", description="step: one sample per step; trajectory: a session whose "
+                               "prompts extend each other token for token is one sequence (else per step)")
+    train_turn_discount: float = Field(1.0, description="step samples: earlier turns get reward * discount**k")
     train_max_len: int = Field(4096, description="tokens per sample (cut on the right)")
     train_micro_batch_tokens: int = Field(8192, description="padded tokens per micro-batch")
     train_clip_low: float = Field(0.2, description="PPO clip epsilon below 1")

@@ -3,7 +3,7 @@
 A captured step is a prompt (token ids the engine saw) and an output (token ids it sampled, each with
 the engine's logprob and weight version). A `Sample` is one training sequence:
 
-    input_ids            prompt tokens ... output tokens ... (more turns in concat mode)
+    input_ids            prompt tokens ... output tokens ... (more turns in trajectory mode)
     loss_mask            0 ............. 1 1 1 1 (0 where redacted or stale)
     behaviour_logprobs   0 ............. engine logprob of that token, aligned to input_ids
     exact                0 ............. 1 1 1 1 (0: the step's prompt was redacted, see below)
@@ -38,7 +38,7 @@ import torch
 
 from trainer.sampling import PLAIN, Sampling
 
-Mode = Literal["per_step", "concat", "auto"]
+Mode = Literal["step", "trajectory"]  # one sample per step, or per session (exact prefixes)
 
 
 @dataclass
@@ -88,7 +88,7 @@ def split_stale(
     """(fresh, stale): steps more than `max_version_lag` versions old are not trained on.
 
     The caller marks the stale ones in the store. Passing only the fresh steps to `build_samples`
-    still works in concat mode: a dropped turn's tokens stay in the sequence as context.
+    still works in trajectory mode: a dropped turn's tokens stay in the sequence as context.
     """
     fresh = [s for s in steps if s.version_lag <= max_version_lag]
     stale = [s for s in steps if s.version_lag > max_version_lag]
@@ -133,8 +133,17 @@ def _per_step_sample(step: StepTokens, reward: float) -> Sample:
     )
 
 
-def _concat_sample(chain: list[StepTokens], reward: float) -> Sample:
-    """One sequence for a chain where each prompt extends the previous prompt + output."""
+def _trajectory_sample(chain: list[StepTokens], reward: float) -> Sample:
+    """One sequence for a chain where each prompt extends the previous prompt + output.
+
+    The last step's prompt + output holds every earlier turn at the positions it had when the engine
+    sampled it: step k's output sits right after its own prompt, so input_ids[:start_k] is exactly
+    the context step k's tokens were sampled in, and their logprobs equal a per-step forward's.
+
+        input_ids   p0 p0 o0 o0 u1 o1 u2 u2 o2 o2      (p: prompt, u: a turn's new prompt tokens,
+        loss_mask    0  0  1  1  0  1  0  0  1  1       o: output: trained with its own behaviour
+        behaviour    0  0 b0 b0  0 b1  0  0 b2 b2       logprobs b, versions and sampling)
+    """
     last = chain[-1]
     input_ids = last.prompt_ids + last.output_ids
     loss_mask = [0] * len(input_ids)
@@ -142,7 +151,6 @@ def _concat_sample(chain: list[StepTokens], reward: float) -> Sample:
     exact = [0] * len(input_ids)
     sampling = None if all(s.sampling.plain for s in chain) else [PLAIN] * len(input_ids)
     for step in chain:
-        # Each step's output sits right after its own prompt inside the final sequence.
         start = len(step.prompt_ids)
         mask, lps = _output_targets(step)
         loss_mask[start : start + len(mask)] = mask
@@ -155,14 +163,25 @@ def _concat_sample(chain: list[StepTokens], reward: float) -> Sample:
 
 
 def _chains(steps: list[StepTokens]) -> list[list[StepTokens]]:
-    """Maximal runs of consecutive steps where each one extends the previous one."""
+    """Maximal runs of consecutive steps that may share one sequence: each one's prompt extends the
+    previous prompt + output token for token, and both have the same reward (one advantage for all
+    of a sequence's tokens; a step-level reward that differs starts a new sequence)."""
     chains = [[steps[0]]]
     for step in steps[1:]:
-        if extends(chains[-1][-1], step):
+        prev = chains[-1][-1]
+        if extends(prev, step) and step.reward == prev.reward:
             chains[-1].append(step)
         else:
             chains.append([step])
     return chains
+
+
+def _trainable_within(step: StepTokens, max_len: int) -> bool:
+    """Whether any of the step's output tokens is trainable at a position below max_len (what a
+    per-step sample cut at max_len would keep). Position 0 never is."""
+    mask, _ = _output_targets(step)
+    start = len(step.prompt_ids)
+    return any(m and 0 < start + j < max_len for j, m in enumerate(mask))
 
 
 def _truncate(sample: Sample, max_len: int) -> Sample | None:
@@ -190,17 +209,29 @@ def build_samples(
 ) -> list[Sample]:
     """Turn captured steps into training samples.
 
-    per_step: one sample per step; turn t of a T-step session gets reward * discount**(T-1-t), so
-      the final turn gets the full session reward and earlier turns less.
-    concat: one sample per maximal chain of steps that extend each other token for token (a
-      session that never breaks the chain becomes one sample); the chain's reward is its last step's
-      per-step reward.
-    auto: concat for a session whose steps all form one chain, else per_step for that session.
+    step: one sample per step; turn t of a T-step session gets reward * discount**(T-1-t), so the
+      final turn gets the full session reward and earlier turns less.
+    trajectory: one sample per maximal chain of steps that extend each other token for token and
+      share a reward (a session that never breaks the chain becomes ONE sequence); every turn's
+      output tokens are trained, with the session's reward, in the context they were sampled in.
+      A step whose prompt does not extend its predecessor's prompt + output (the client edited or
+      compacted its history, a re-rendered tool call) starts a new sequence: a session of such
+      steps falls back to one sample per step. Needs turn_discount 1 (one reward per sequence).
+      Cut at max_len like the last step's per-step sample would be; a turn left with no trainable
+      token within max_len is left out of the sample (its tokens stay as context), as step mode
+      would drop its sample.
+
+    Both modes train the same tokens with the same advantages (loss.group_advantages weighs a
+    sample by its steps) and the same context, hence the same loss up to float rounding.
 
     Steps of a session should all be passed together (T counts the steps given). The group of a
     sample is group_key(tenant, task) when at least two sessions in `steps` share that tenant's
     task, else "".
     """
+    if mode not in ("step", "trajectory"):
+        raise ValueError(f"unknown sample mode {mode!r} (step | trajectory)")
+    if mode == "trajectory" and turn_discount != 1.0:
+        raise ValueError("trajectory samples give every turn the session's reward: turn_discount must be 1")
     by_session: dict[str, list[StepTokens]] = defaultdict(list)
     for step in steps:
         _check(step)
@@ -216,27 +247,47 @@ def build_samples(
     for session_steps in by_session.values():
         session_steps.sort(key=lambda s: s.seq)
         n_turns = len(session_steps)
-        # Per-step reward: the last turn gets the full reward, each earlier turn one more discount.
-        turn_reward = {
-            s.step_id: s.reward * turn_discount ** (n_turns - 1 - t) for t, s in enumerate(session_steps)
-        }
-        chains = _chains(session_steps)
-        if mode == "per_step" or (mode == "auto" and len(chains) > 1):
-            built = [_per_step_sample(s, turn_reward[s.step_id]) for s in session_steps]
-        elif mode in ("concat", "auto"):
-            built = [_concat_sample(c, turn_reward[c[-1].step_id]) for c in chains]
+        if mode == "step":
+            # The last turn gets the full reward, each earlier turn one more discount.
+            built = [_per_step_sample(s, s.reward * turn_discount ** (n_turns - 1 - t))
+                     for t, s in enumerate(session_steps)]
         else:
-            raise ValueError(f"unknown mode {mode!r}")
+            built = []
+            for chain in _chains(session_steps):
+                kept = [s for s in chain if _trainable_within(s, max_len)]
+                if kept:
+                    built.append(_trajectory_sample(kept, kept[-1].reward))
 
         first = session_steps[0]
         key = group_key(first.tenant_id, first.task_id) if first.task_id is not None else ""
         group = key if key and len(sessions_per_task[key]) >= 2 else ""
         for sample in built:
             sample.group = group
-            kept = _truncate(sample, max_len)
-            if kept is not None:
-                samples.append(kept)
+            kept_sample = _truncate(sample, max_len)
+            if kept_sample is not None:
+                samples.append(kept_sample)
     return samples
+
+
+def sample_counts(steps: Sequence[StepTokens], samples: Sequence[Sample]) -> dict[str, int]:
+    """How the trained steps were laid out, for the update's metrics:
+
+    trajectory_steps    steps trained inside a sequence shared with other steps of their session
+    single_steps        steps trained as a sequence of their own (step mode: all of them)
+    prefix_breaks       consecutive steps of a session whose prompt does not extend the previous
+                        prompt + output token for token: where trajectory mode has to start anew
+    """
+    in_samples = [len(s.step_ids) for s in samples]
+    by_session: dict[str, list[StepTokens]] = defaultdict(list)
+    for step in steps:
+        by_session[step.session_id].append(step)
+    breaks = 0
+    for session_steps in by_session.values():
+        ordered = sorted(session_steps, key=lambda s: s.seq)
+        breaks += sum(not extends(a, b) for a, b in zip(ordered, ordered[1:], strict=False))
+    return {"trajectory_samples": sum(1 for n in in_samples if n > 1),
+            "trajectory_steps": sum(n for n in in_samples if n > 1),
+            "single_steps": sum(1 for n in in_samples if n == 1), "prefix_breaks": breaks}
 
 
 def session_weights(samples: Sequence[Sample], weighting: Literal["token", "session"]) -> list[Sample]:
@@ -300,7 +351,7 @@ def pack(
 
         advantages = group_advantages(
             [s.reward for s in samples], [s.group for s in samples], normalize_std=normalize_std,
-            sessions=[s.session_id or s.step_ids[0] for s in samples],
+            sessions=[s.session_id or s.step_ids[0] for s in samples], sizes=[len(s.step_ids) for s in samples],
         )
     width = max(len(s.input_ids) for s in samples)
     n = len(samples)

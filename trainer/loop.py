@@ -37,8 +37,17 @@ import torch
 from atdp_schema.models import VersionStatus
 from proxy.governance.policies import Policies
 from trainer import dist, numerics
-from trainer.batch import Sample, build_samples, micro_batches, session_weights, split_for_ranks, split_stale
+from trainer.batch import (
+    Sample,
+    build_samples,
+    micro_batches,
+    sample_counts,
+    session_weights,
+    split_for_ranks,
+    split_stale,
+)
 from trainer.checkpoint import load_optimizer_state, save_optimizer_state, trainer_state_path
+from trainer.display import Display
 from trainer.gate import DiagnosisGate
 from trainer.loss import PPOOptions, add_proximal_logprobs, group_advantages, train_step
 from trainer.numerics import Profile
@@ -65,7 +74,7 @@ class TrainConfig:
     max_steps: int = 512
     max_version_lag: int = 4
     lease_ttl_s: float = 1800.0
-    mode: str = "auto"
+    samples: str = "trajectory"  # step | trajectory: one sample per step or per session (batch.build_samples)
     turn_discount: float = 1.0
     max_len: int = 4096
     micro_batch_tokens: int = 8192
@@ -97,6 +106,11 @@ class TrainConfig:
     policies: Policies = field(default_factory=Policies)
     gate: DiagnosisGate | None = None  # --when diagnosed: train only while a policy update is recommended
 
+    def __post_init__(self) -> None:
+        # Checked before anything is leased (build_samples would refuse it after the lease).
+        if self.samples == "trajectory" and self.turn_discount != 1.0:
+            raise ValueError("turn_discount applies to step samples only: a trajectory gives every turn its reward")
+
 
 @dataclass
 class Plan:
@@ -112,6 +126,7 @@ class Plan:
     n_steps: int = 0
     n_stale: int = 0
     n_onpolicy_steps: int = 0  # redacted prompts: trained with the on-policy fallback
+    counts: dict[str, int] = field(default_factory=dict)  # batch.sample_counts: trajectory vs single steps
     kl_ref_checkpoint: str | None = None  # the KL penalty's reference model; None = behaviour logprobs
     message: str = ""
 
@@ -206,7 +221,7 @@ class Controller:
             for st in stale:
                 lag = "unknown version" if st.version_lag >= lease.UNKNOWN_LAG else f"{st.version_lag} versions"
                 reasons[st.step_id] = f"stale: {lag} behind {current.name} (max {cfg.max_version_lag})"
-            samples = build_samples(fresh, mode=cfg.mode, turn_discount=cfg.turn_discount, max_len=cfg.max_len)
+            samples = build_samples(fresh, mode=cfg.samples, turn_discount=cfg.turn_discount, max_len=cfg.max_len)
             used = {i for smp in samples for i in smp.step_ids}
             for st in fresh:
                 if st.step_id not in used:
@@ -219,13 +234,15 @@ class Controller:
             return Plan(kind="wait", n_stale=len(stale), message="every leased step was skipped")
         samples = session_weights(samples, cfg.weighting)
         advantages = group_advantages([x.reward for x in samples], [x.group for x in samples],
-                                      normalize_std=cfg.normalize_std, sessions=[x.session_id for x in samples])
+                                      normalize_std=cfg.normalize_std, sessions=[x.session_id for x in samples],
+                                      sizes=[len(x.step_ids) for x in samples])
         with self.factory() as s:
             kl_ref = reference_checkpoint(s, cfg.ppo, current)
         return Plan(kind="train", samples=samples, advantages=advantages, version_id=current.id,
                     version_name=current.name, checkpoint=current.checkpoint, n_steps=len(used), n_stale=len(stale),
                     session_of={st.step_id: st.session_id for st in fresh if st.step_id in used},
                     n_onpolicy_steps=sum(1 for st in fresh if st.step_id in used and not st.prompt_exact),
+                    counts=sample_counts([st for st in fresh if st.step_id in used], samples),
                     kl_ref_checkpoint=kl_ref)
 
     # --- 5: publish ------------------------------------------------------------------------------
@@ -256,7 +273,7 @@ class Controller:
         ]
         metrics = {**stats, "steps": plan.n_steps, "checkpoint": str(out), "samples": len(plan.samples), "stale": plan.n_stale,
                    "exact_steps": plan.n_steps - plan.n_onpolicy_steps, "onpolicy_steps": plan.n_onpolicy_steps,
-                   "trained_from": plan.version_name}
+                   "trained_from": plan.version_name, "sample_mode": cfg.samples, **plan.counts}
         version_id, name = swap.register_candidate(
             self.factory, name=name, checkpoint=str(out), parent_id=plan.version_id, run_id=self.run_id,
             lineage=lineage, owner=cfg.owner, metrics=_jsonable(metrics),
@@ -326,37 +343,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return str(value) if isinstance(value, Path) else value
-
-
-class Display:
-    """A one-line progress display on a terminal (rich); plain log lines otherwise."""
-
-    def __init__(self, *, enabled: bool) -> None:
-        self.progress = None
-        if enabled:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-            self.task = self.progress.add_task("starting", total=None)
-            self.progress.start()
-
-    def phase(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, description=text)
-
-    def update(self, r: UpdateResult) -> None:
-        m = r.metrics
-        line = (f"update {r.update} -> {r.version} [{r.status}] reward {m.get('reward_mean', float('nan')):.3f}"
-                f"±{m.get('reward_std', float('nan')):.3f} loss {m['loss']:.4f} clip {m['clip_frac']:.3f} "
-                f"masked {m['masked_frac']:.3f} |Δlogp| {m['mean_abs_logp_diff']:.4f} "
-                f"tok/s {m['tokens_per_s']:.0f} steps {m['steps']} stale {m['stale']}")
-        log.info(line)
-        if self.progress is not None:
-            self.progress.console.print(line)
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
 
 
 def _pad_id(model) -> int:

@@ -53,13 +53,16 @@ def group_advantages(
     *,
     normalize_std: bool,
     sessions: Sequence[str] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> list[float]:
     """Advantage = reward - baseline, where every *session* counts once.
 
-    A multi-turn session can give several samples (per_step mode, or a broken chain); counted per
+    A multi-turn session can give several samples (step mode, or a broken trajectory); counted per
     sample, a 10-turn session would weigh 10x in its group's mean and std. So each sample gets the
-    weight 1 / (samples of its session), and every statistic below is a weighted one: with equal
-    rewards inside a session this is exactly the mean over sessions.
+    weight size / (steps of its session), size being the steps it holds (1 per step sample, k for a
+    trajectory of k steps), and every statistic below is a weighted one: with equal rewards inside
+    a session this is exactly the mean over sessions, and a session's steps weigh the same whether
+    they are trained one sample per step or as one sequence (batch.build_samples' modes agree).
 
     A sample whose group (batch.group_key: tenant and task) has >= 2 sessions in the batch uses its
     group's mean reward as the baseline (GRPO). Any other sample (group "" or a group of one
@@ -69,16 +72,18 @@ def group_advantages(
     normalize_std: divide by the std of the rewards the baseline came from (group, or whole batch),
     plus a small epsilon so that a group of equal rewards gives 0 rather than NaN.
     sessions: the session of each sample; None = every sample is its own session.
+    sizes: the steps each sample holds; None = 1 each.
     """
     if len(rewards) != len(groups):
         raise ValueError("rewards and groups must have the same length")
     sessions = list(sessions) if sessions is not None else [str(i) for i in range(len(rewards))]
     if len(sessions) != len(rewards):
         raise ValueError("rewards and sessions must have the same length")
+    sizes = list(sizes) if sizes is not None else [1] * len(rewards)
     per_session: dict[str, int] = defaultdict(int)
-    for sid in sessions:
-        per_session[sid] += 1
-    weight = [1.0 / per_session[sid] for sid in sessions]  # each session sums to 1
+    for sid, n in zip(sessions, sizes, strict=True):
+        per_session[sid] += n
+    weight = [n / per_session[sid] for sid, n in zip(sessions, sizes, strict=True)]  # each session sums to 1
 
     members: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):

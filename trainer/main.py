@@ -18,12 +18,13 @@ if TYPE_CHECKING:
     from trainer.loop import TrainConfig
 
 WHEN = ("always", "diagnosed")
+SAMPLES = ("step", "trajectory")
 
 # Flags and the settings they override (`--min-steps` -> ATDP_TRAIN_MIN_STEPS, `--proxy-url` ->
 # ATDP_PROXY_URL). Types, defaults and help come from proxy.config.Settings: one place.
 FLAG_FIELDS: tuple[str, ...] = (
     "train_min_steps", "train_interval_s", "train_max_steps", "train_max_version_lag", "train_lease_ttl_s",
-    "train_lr", "train_weight_decay", "train_ppo_epochs", "train_mode", "train_turn_discount", "train_max_len",
+    "train_lr", "train_weight_decay", "train_ppo_epochs", "train_samples", "train_turn_discount", "train_max_len",
     "train_micro_batch_tokens", "train_clip_low", "train_clip_high", "train_ratio_mask_low",
     "train_ratio_mask_high", "train_max_grad_norm", "train_kl_mask", "train_kl_coef", "train_kl_ref",
     "train_temperature", "train_weighting", "train_optimizer_state", "train_normalize_std", "train_dtype",
@@ -49,6 +50,16 @@ def diagnosis_gate(when: str, settings: Settings) -> DiagnosisGate | None:
         return DiagnosisGate(load_rules(settings.diagnosis_file))
     except RulesError as e:
         raise SystemExit(f"atdp train: {e}") from None
+
+
+def sample_mode(samples: str, turn_discount: float) -> str:
+    """`--samples`, checked before anything starts (trainer/batch.py: build_samples)."""
+    if samples not in SAMPLES:
+        raise SystemExit(f"atdp train: --samples must be one of {', '.join(SAMPLES)}, not {samples!r}")
+    if samples == "trajectory" and turn_discount != 1.0:
+        raise SystemExit("atdp train: --turn-discount applies to --samples step only (a trajectory gives every "
+                         "turn the session's reward)")
+    return samples
 
 
 def trainer_key(settings: Settings) -> str | None:
@@ -83,7 +94,7 @@ def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
         max_steps=args.max_steps,
         max_version_lag=args.max_version_lag,
         lease_ttl_s=args.lease_ttl_s,
-        mode=args.mode,
+        samples=sample_mode(args.samples, args.turn_discount),
         turn_discount=args.turn_discount,
         max_len=args.max_len,
         micro_batch_tokens=args.micro_batch_tokens,

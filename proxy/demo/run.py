@@ -121,7 +121,7 @@ def trainer_command(cfg: DemoConfig, python: str, proxy_url: str, min_steps: int
         "--min-steps", str(min_steps), "--max-steps", str(cfg.sessions_per_round * 2),
         "--proxy-url", proxy_url, "--lr", str(cfg.lr), "--ppo-epochs", str(cfg.ppo_epochs),
         "--lora-r", str(cfg.lora_r), "--seed", str(cfg.seed),
-        "--mode", "per_step", "--max-version-lag", "1", "--max-len", "512",
+        "--samples", "step", "--max-version-lag", "1", "--max-len", "512",
         # fp32 checkpoints: every round's trainer starts from the last one, and a bf16 round trip
         # would round away updates smaller than bf16's step (most of them, at these learning rates).
         "--save-dtype", "fp32",

@@ -61,7 +61,7 @@ def toy_samples(base_dir: Path) -> list[Sample]:
                     version_lag=0,
                 )
             )
-    samples = build_samples(steps, mode="auto", turn_discount=1.0, max_len=64)
+    samples = build_samples(steps, mode="trajectory", turn_discount=1.0, max_len=64)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
     for s in samples:
         ids = torch.tensor([s.input_ids])

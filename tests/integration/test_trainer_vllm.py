@@ -88,7 +88,7 @@ def _measure(vllm_server, checkpoint):
     # the served engine is bf16: some rounding profile must explain it better than plain fp32
     assert detected.profile != "fp32", detected.medians
 
-    samples = build_samples(_sample_steps(vllm_server.base_url, vllm_server.model), mode="per_step",
+    samples = build_samples(_sample_steps(vllm_server.base_url, vllm_server.model), mode="step",
                             turn_discount=1.0, max_len=2048)
     batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
     mask = batch["loss_mask"] > 0
@@ -123,7 +123,7 @@ def test_processed_logprobs_at_temperature_and_top_p_match_the_engine(vllm_serve
         steps = _sample_steps(vllm_server.base_url, vllm_server.model, {"temperature": 0.7, "top_p": 0.9})
     finally:
         swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
-    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=2048)
+    samples = build_samples(steps, mode="step", turn_discount=1.0, max_len=2048)
     batch = pack(samples, pad_id=0, advantages=[0.0] * len(samples))
     mask = batch["loss_mask"] > 0
     model = load_model(checkpoint, dtype="fp32", grad_checkpointing=False, engine_numerics=profile).eval()

@@ -277,7 +277,7 @@ def test_train_step_with_a_minus_9999_logprob_keeps_weights_finite(tmp_path):
                    output_mask=[1, 1, 1], prompt_exact=True, reward=float(k), version_lag=0)
         for k in range(2)
     ]
-    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=64)
+    samples = build_samples(steps, mode="step", turn_discount=1.0, max_len=64)
     adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
     mbs = micro_batches(samples, adv, pad_id=0, max_tokens=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

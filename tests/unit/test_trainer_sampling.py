@@ -78,11 +78,11 @@ def test_pack_carries_each_tokens_sampling_also_in_concatenated_sessions():
     hot, cold = Sampling(1.2, 0.95, 0), Sampling(0.5, 1.0, 10)
     first = _step(0, [1, 2], [3, 4], hot)
     second = _step(1, [1, 2, 3, 4, 5], [6], cold)
-    (sample,) = build_samples([first, second], mode="concat", turn_discount=1.0, max_len=64)
+    (sample,) = build_samples([first, second], mode="trajectory", turn_discount=1.0, max_len=64)
     batch = pack([sample], pad_id=0, advantages=[0.0])
     assert batch["temperature"][0].tolist()[:6] == pytest.approx([1, 1, 1.2, 1.2, 1, 0.5])
     assert batch["top_k"][0].tolist()[:6] == [0, 0, 0, 0, 0, 10]
-    plain = build_samples([_step(0, [1, 2], [3], PLAIN, "p")], mode="per_step", turn_discount=1.0, max_len=64)
+    plain = build_samples([_step(0, [1, 2], [3], PLAIN, "p")], mode="step", turn_discount=1.0, max_len=64)
     assert "temperature" not in pack(plain, pad_id=0, advantages=[0.0])
 
 

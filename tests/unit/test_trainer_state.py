@@ -36,7 +36,7 @@ def _plan(version: str, checkpoint: Path) -> Plan:
                    output_mask=[1, 1, 1], prompt_exact=True, reward=float(k), version_lag=0)
         for k in range(2)
     ]
-    samples = build_samples(steps, mode="per_step", turn_discount=1.0, max_len=64)
+    samples = build_samples(steps, mode="step", turn_discount=1.0, max_len=64)
     adv = group_advantages([s.reward for s in samples], [s.group for s in samples], normalize_std=True)
     return Plan(kind="train", samples=samples, advantages=adv, version_name=version, checkpoint=str(checkpoint))
 
@@ -124,3 +124,32 @@ def test_every_loss_option_is_an_atdp_train_flag(monkeypatch, tmp_path):
     assert set(PPOOptions.__dataclass_fields__) == {
         "clip_eps_low", "clip_eps_high", "ratio_mask_low", "ratio_mask_high", "kl_mask", "temperature",
         "max_grad_norm", "kl_coef", "kl_ref"}
+
+
+def test_samples_flag_and_config_file(monkeypatch, tmp_path):
+    import argparse
+
+    import trainer.loop
+    from trainer import main
+
+    (tmp_path / "atdp.toml").write_text('train_samples = "step"\ntrain_turn_discount = 0.5\n')
+    monkeypatch.setenv("ATDP_HOME", str(tmp_path))
+    monkeypatch.setenv("ATDP_CONFIG", str(tmp_path / "atdp.toml"))
+    seen: list[TrainConfig] = []
+    monkeypatch.setattr(trainer.loop, "run", lambda cfg: seen.append(cfg) or [])
+
+    def train(*flags: str) -> TrainConfig:
+        parser = argparse.ArgumentParser()
+        main.register(parser.add_subparsers())  # defaults read now: the file's
+        args = parser.parse_args(["train", "--once", *flags])
+        args.func(args)
+        return seen[-1]
+
+    assert (train().samples, train().turn_discount) == ("step", 0.5)  # from the config file
+    assert train("--samples", "trajectory", "--turn-discount", "1").samples == "trajectory"
+    with pytest.raises(SystemExit, match="turn-discount"):  # a trajectory has one reward for every turn
+        train("--samples", "trajectory")
+    with pytest.raises(SystemExit, match="--samples"):
+        train("--samples", "concat")
+    with pytest.raises(ValueError, match="turn_discount"):
+        TrainConfig(database_url="x", proxy_url="x", proxy_key=None, checkpoints_dir=tmp_path, turn_discount=0.5)
