@@ -9,21 +9,29 @@ back before resuming: no token is ever sampled by half-replaced weights.
 The weights come from a checkpoint folder (`reload_weights`, disk) or from the trainer over vLLM's
 weight transfer engine (nccl: `/start_weight_update`, `/update_weights` while the trainer
 broadcasts, `/finish_weight_update` with the version); see `trainer/weight_transfer.py` for the
-sending side and the request shapes.
+sending side. The nccl path is taken only with `ATDP_WEIGHT_TRANSFER=nccl` and a checkpoint whose
+trainer left `weight_transfer.json` in it (it broadcasts that version); anything else (a folder
+posted by hand, a file that cannot be read, gates, rollbacks) reloads from disk.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
 from proxy.upstream import Replica
 
+log = logging.getLogger("atdp.versions")
+
 SwapMode = Literal["drain", "keep"]
+TRANSFER_FILE = "weight_transfer.json"  # written by trainer.weight_transfer (same name)
 PAUSE_MODE: dict[str, str] = {"drain": "wait", "keep": "keep"}
 
 
@@ -77,6 +85,39 @@ def from_checkpoint(checkpoint: str, name: str) -> Source:
         await routes.post("/update_weight_version", json={"new_version": name})
 
     return load
+
+
+def from_transfer(info: dict[str, list], name: str) -> Source:
+    """The nccl path: the engine's workers receive `info`'s tensors from the trainer's broadcast."""
+
+    async def load(routes: Routes) -> None:
+        await routes.post("/start_weight_update")
+        await routes.post("/update_weights", json={"update_info": info})
+        await routes.post("/finish_weight_update", json={"weight_version": name})
+
+    return load
+
+
+def transfer_info(checkpoint: str) -> dict[str, list] | None:
+    """The update info the trainer left in `checkpoint` for an NCCL transfer, or None (disk)."""
+    try:
+        data = json.loads((Path(checkpoint) / TRANSFER_FILE).read_text())
+        info = data["update_info"]
+        n = len(info["names"])
+        if data.get("backend") != "nccl" or not n or len(info["dtype_names"]) != n or len(info["shapes"]) != n:
+            raise ValueError("names, dtype_names and shapes must be non-empty and of one length")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s/%s unusable (%s): the engine reloads the checkpoint from disk", checkpoint, TRANSFER_FILE, e)
+        return None
+    return {"names": info["names"], "dtype_names": info["dtype_names"], "shapes": info["shapes"]}
+
+
+def source_for(checkpoint: str, name: str, transfer: str) -> Source:
+    """How the swap to `name` gets its weights: over NCCL when configured and the trainer sends them."""
+    info = transfer_info(checkpoint) if transfer == "nccl" else None
+    return from_transfer(info, name) if info is not None else from_checkpoint(checkpoint, name)
 
 
 async def update(client: httpx.AsyncClient, replica: Replica, source: Source, *, headers: dict[str, str],

@@ -29,7 +29,14 @@ from sqlalchemy.exc import IntegrityError
 
 from atdp_schema.models import VersionStatus
 from proxy import telemetry
-from proxy.control.engine_weights import SwapError, SwapMode, load_weights
+from proxy.control.engine_weights import (
+    SwapError,
+    SwapMode,
+    from_checkpoint,
+    load_weights,
+    source_for,
+    update,
+)
 from proxy.control.swapbus import Driver, SwapBus
 from proxy.errors import ApiError
 from proxy.governance.tokens import find_tokenizer
@@ -54,6 +61,7 @@ class Versions:
         self.drain_timeout_s = state.settings.swap_drain_timeout_s
         self.load_timeout_s = state.settings.swap_load_timeout_s
         self.mode = state.settings.swap_mode
+        self.transfer = state.settings.weight_transfer  # disk | nccl (proxy.control.engine_weights)
         self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
         self.canary_task: asyncio.Task | None = None  # the running canary's monitor (proxy.control.canary)
         self.bus: SwapBus | None = None  # swaps across the proxies on this database (set on connect)
@@ -278,20 +286,19 @@ class Versions:
         client, headers = self.state.client, self.state.pool.auth_headers
         assert client is not None
         t_gate = time.perf_counter()
+        source = source_for(target.checkpoint, target.name, self.transfer)
         if self.mode == "keep":
             async with self.window(replica, target.name):
                 t_load = time.perf_counter()
-                # A failed reload puts the previous weights back before the engine resumes.
-                timings = await load_weights(client, replica, target.checkpoint, target.name, headers=headers,
-                                             timeout_s=self.load_timeout_s, mode="keep",
-                                             fallback=(previous.checkpoint, previous.name))
+                # A failed update puts the previous weights back (from disk) before the engine resumes.
+                timings = await update(client, replica, source, headers=headers, timeout_s=self.load_timeout_s,
+                                       mode="keep", fallback=from_checkpoint(previous.checkpoint, previous.name))
                 replica.version = target.name
         else:
             async with self.closed(replica):
                 t_load = time.perf_counter()
                 try:
-                    timings = await load_weights(client, replica, target.checkpoint, target.name, headers=headers,
-                                                 timeout_s=self.load_timeout_s)
+                    timings = await update(client, replica, source, headers=headers, timeout_s=self.load_timeout_s)
                 except BaseException:
                     # The reload may have half-replaced the weights: put the old ones back before
                     # the gate reopens.
