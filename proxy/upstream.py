@@ -146,6 +146,7 @@ class Lease:
     version: str
     epoch: int = 0  # the replica's swap_epoch at entry
     entered_in_swap: bool = False  # entered while a keep-mode update was under way
+    before: str | None = None  # the version served before that update
 
     def window(self) -> tuple[str, str] | None:
         """(before, after) when a keep-mode swap overlapped the call so far, else None: its tokens
@@ -155,8 +156,7 @@ class Lease:
         r = self.replica
         if not self.entered_in_swap and r.swap_epoch == self.epoch:
             return None
-        before = r.previous_version if self.entered_in_swap and r.previous_version else self.version
-        return before, (r.next_version if r.in_swap and r.next_version else r.version)
+        return self.before or self.version, (r.next_version if r.in_swap and r.next_version else r.version)
 
 
 class ReplicaPool:
@@ -199,7 +199,8 @@ class ReplicaPool:
         replica.inflight += 1
         replica._drained.clear()
         return Lease(replica=replica, version=replica.version, epoch=replica.swap_epoch,
-                     entered_in_swap=replica.in_swap)
+                     entered_in_swap=replica.in_swap,
+                     before=replica.previous_version if replica.in_swap else replica.version)
 
     def release(self, lease: Lease) -> None:
         r = lease.replica

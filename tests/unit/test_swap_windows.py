@@ -112,3 +112,13 @@ def test_drain_mode_waits_and_always_resumes():
         _run(engine, "/ckpt/v1")
     # drain: the caller restores behind its closed gate (proxy.control.swap); the engine is never left paused
     assert engine.calls == ["pause:wait", "reload:bad", "resume"]
+
+
+def test_a_call_across_two_updates_names_the_first_and_the_last_version():
+    pool = ReplicaPool(["http://e:1"])
+    r = pool.replicas[0]
+    r.begin_window("v1")
+    lease = _lease(pool)
+    r.end_window("v1")
+    r.begin_window("v2")
+    assert lease.window() == ("base", "v2")
