@@ -136,13 +136,17 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
             k = 0
 
             def swap() -> dict:
+                """One swap to the other checkpoint; a failed one (502, the old version serves) is counted."""
                 nonlocal k
-                k = (k + 1) % 2
                 t0 = time.perf_counter()
                 r = client.post(proxy + "/atdp/v1/versions", headers=HEADERS,
-                                json={"checkpoint": str(dirs[k]), "name": names[k], "promote": "now"})
-                r.raise_for_status()
-                return {"client_s": time.perf_counter() - t0, "t1": time.monotonic(), **r.json()["swap"]}
+                                json={"checkpoint": str(dirs[1 - k]), "name": names[1 - k], "promote": "now"})
+                if r.status_code not in (200, 502) or "swap" not in r.json():
+                    raise SystemExit(f"swap refused: {r.status_code} {r.text[:300]}")
+                out = {"client_s": time.perf_counter() - t0, "t1": time.monotonic(), **r.json()["swap"]}
+                if out["ok"]:
+                    k = 1 - k
+                return out
 
             quiet = []
             for _ in range(args.swaps):
@@ -228,7 +232,11 @@ def under_load(proxy: str, engine_url: str, swap, args) -> dict:
                 body = {"model": "tiny", "token_ids": [5 + n % 50, 17, 23, 42],
                         "sampling_params": {"max_tokens": 400, "temperature": 0, "ignore_eos": True}}
                 t0 = time.monotonic()
-                r = c.post(engine_url + "/inference/v1/generate", json=body)
+                try:
+                    r = c.post(engine_url + "/inference/v1/generate", json=body)
+                except httpx.HTTPError as e:
+                    failures.append(f"generate {type(e).__name__}: {e}")
+                    continue
                 if r.status_code != 200:
                     failures.append(f"generate {r.status_code}: {r.text[:200]}")
                     continue
@@ -254,8 +262,8 @@ def under_load(proxy: str, engine_url: str, swap, args) -> dict:
     uncovered = sum(1 for s in spans if sum(x["end"] - x["start"] for x in s["spans"]) != s["n"])
     return {"swaps": len(results), "swap_ok": sum(1 for r in results if r["ok"]),
             "swap_errors": [r["error"] for r in results if not r["ok"]],
-            "window_s": summary([x["window_s"] for r in results for x in r["replicas"]]),
-            "drain_s": summary([x["drain_s"] for r in results for x in r["replicas"]]),
+            "window_s": summary([x["window_s"] for r in results for x in r["replicas"] if "window_s" in x]),
+            "drain_s": summary([x["drain_s"] for r in results for x in r["replicas"] if "drain_s" in x]),
             "calls_ok": len(calls), "calls_failed": len(failures), "failures": failures[:5],
             "long_call_s": summary(long_s), "hold_timeout_s": args.hold_timeout,
             "generate_requests": len(spans), "generate_two_versions": two, "generate_span_tokens_wrong": bad_span_tokens,
@@ -297,6 +305,8 @@ def main() -> None:
         result["bare_reload_rpc_s"] = summary(bare)
         for mode in args.modes.split(","):
             result["modes"].append(run_mode(mode, engine, dirs, names, args))
+            if args.out:  # a later mode that breaks leaves this one's figures
+                Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for m in result["modes"]:
         w = m["quiet"]["window_s"]["p50"]
         m["window_over_bare_p50"] = round(w / result["bare_reload_rpc_s"]["p50"], 2) if w else None
