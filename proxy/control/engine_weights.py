@@ -66,13 +66,13 @@ class Routes:
     timeout_s: float
     timings: Timings = field(default_factory=Timings)
 
-    async def post(self, route: str, *, json: dict[str, Any] | None = None,
-                   params: dict[str, str] | None = None) -> httpx.Response:
+    async def post(self, route: str, *, json: dict[str, Any] | None = None, params: dict[str, str] | None = None,
+                   what: str | None = None) -> httpx.Response:
         t0 = time.perf_counter()
         resp = await self.client.post(self.replica.url + route, json=json, params=params, headers=self.headers,
                                       timeout=self.timeout_s)
-        # errors name the replica without its credentials
-        await _check(resp, f"{self.replica.label}{route}")
+        # errors name the replica without its credentials (and the route apart: a URL's path is cut)
+        await _check(resp, f"{self.replica.label} {what or route}")
         self.timings.steps[route.strip("/")] = round(time.perf_counter() - t0, 4)
         return resp
 
@@ -81,7 +81,8 @@ def from_checkpoint(checkpoint: str, name: str) -> Source:
     """The disk path: the engine reloads `checkpoint` (same architecture) and is tagged `name`."""
 
     async def load(routes: Routes) -> None:
-        await routes.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})
+        await routes.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}},
+                          what=f"reload_weights({checkpoint})")
         await routes.post("/update_weight_version", json={"new_version": name})
 
     return load
