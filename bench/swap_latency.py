@@ -100,11 +100,15 @@ class Timeline:
                     pass
                 time.sleep(0.003)
 
-    def labels(self, t0: float, t1: float) -> set[str]:
-        """Every label the engine had during [t0, t1] (the one before t0 included)."""
-        before = [v for t, v in self.points if t <= t0]
-        inside = {v for t, v in self.points if t0 < t <= t1}
-        return inside | ({before[-1]} if before else set())
+    def labels(self, t0: float, t1: float) -> set[str] | None:
+        """Every label the engine may have had during [t0, t1]: the polls from the last one at or before
+        t0 to the first one at or after t1 (a poll the loaded machine delayed cannot hide a change).
+        None when the polls do not bracket the interval."""
+        first = max((i for i, (t, _) in enumerate(self.points) if t <= t0), default=None)
+        last = min((i for i, (t, _) in enumerate(self.points) if t >= t1), default=None)
+        if first is None or last is None:
+            return None
+        return {v for _, v in self.points[first : last + 1]}
 
 
 def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dict:
@@ -165,7 +169,7 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
         drop()
 
     timeline: Timeline = loaded.pop("timeline")
-    wrong_tokens = moved_tokens = ambiguous = exact = 0
+    wrong_tokens = moved_tokens = ambiguous = exact = unbracketed = 0
     for step_id, t0, t1 in loaded.pop("calls"):
         st = steps.get(step_id)
         if st is None:
@@ -176,7 +180,9 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
             continue
         exact += 1
         engine_labels = timeline.labels(t0, t1)
-        if not versions <= engine_labels:  # stamped with a version the engine never had during the call
+        if engine_labels is None:
+            unbracketed += 1
+        elif not versions <= engine_labels:  # stamped with a version the engine never had during the call
             wrong_tokens += len(st.output_token_ids)
         elif engine_labels != versions:  # the label moved during a call stamped with one version
             moved_tokens += len(st.output_token_ids)
@@ -188,6 +194,7 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
                   "routes_s": {r: summary([x["routes_s"][r] for sw in quiet for x in sw["replicas"]])
                                for r in quiet[0]["replicas"][0]["routes_s"]}},
         "load": {**loaded, "steps_exact": exact, "steps_ambiguous": ambiguous, "wrong_version_tokens": wrong_tokens,
+                 "steps_not_bracketed_by_polls": unbracketed,
                  # an upper bound: the client's interval includes a wait at a closed gate and its own lag
                  "label_moved_tokens": moved_tokens},
     }
@@ -242,7 +249,7 @@ def under_load(proxy: str, engine_url: str, swap, args) -> dict:
                     continue
                 choice = r.json()["choices"][0]
                 spans.append({"spans": choice.get("weight_versions") or [], "n": len(choice.get("token_ids") or []),
-                              "labels": timeline.labels(t0, time.monotonic())})
+                              "t": (t0, time.monotonic())})
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.workers)]
     threads.append(threading.Thread(target=generate, daemon=True))
@@ -256,7 +263,10 @@ def under_load(proxy: str, engine_url: str, swap, args) -> dict:
     stop.set()
     for th in threads:
         th.join(600)
+    time.sleep(0.1)  # a poll after the last call ends
     timeline.stop.set()
+    for sp in spans:
+        sp["labels"] = timeline.labels(*sp["t"]) or set()
     two = sum(1 for s in spans if len({x["version"] for x in s["spans"]}) > 1)
     bad_span_tokens = sum(x["end"] - x["start"] for s in spans for x in s["spans"] if x["version"] not in s["labels"])
     uncovered = sum(1 for s in spans if sum(x["end"] - x["start"] for x in s["spans"]) != s["n"])
