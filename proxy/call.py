@@ -73,6 +73,9 @@ class Call:
     capture: ChatCapture = field(default_factory=ChatCapture)
     lease: Lease | None = None
     version: str | None = None  # weight version of the replica that served the call
+    # (before, after) when a keep-mode swap overlapped the call (Lease.window): its tokens' version
+    # is not known from the proxy's side.
+    version_window: tuple[str, str] | None = None
     upstream_url: str | None = None
     ttft_s: float | None = None
     finished: bool = False
@@ -224,8 +227,14 @@ async def _post(http: aiohttp.ClientSession, url: str, content: bytes, headers: 
     raise AssertionError("unreachable")
 
 
+def _note_window(call: Call) -> None:
+    if call.lease is not None and call.version_window is None:
+        call.version_window = call.lease.window()
+
+
 async def close_upstream(call: Call, resp: Answer | None) -> None:
     if call.lease is not None:
+        _note_window(call)
         call.state.pool.release(call.lease)
         call.lease = None
     if resp is not None:
@@ -240,6 +249,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
     if call.finished:
         return
     call.finished = True
+    _note_window(call)  # a stream is recorded before its replica slot is freed
     cap = call.capture
     total_s = time.perf_counter() - call.t0
     link = StepLink(step_id=call.step_id, session_id=call.session.external_id)
@@ -282,6 +292,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         client_info=call.client_info, replay_of=call.replay_of,
         history_extras=history_extras(call.native_messages[: call.continuation.history_len]),
         provider=call.provider.provider if call.provider is not None else None, cost=cost,
+        version_window=call.version_window,
     )
     call.state.recorder.submit(step)
     telemetry.REQUESTS.labels(call.api, status).inc()

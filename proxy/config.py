@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import (
@@ -138,6 +138,15 @@ class Settings(BaseSettings):
     swap_hold_timeout_s: float = 60.0
     swap_drain_timeout_s: float = 120.0  # how long a swap waits for a replica's in-flight calls
     swap_load_timeout_s: float = 600.0  # how long vLLM may take to reload weights
+    # drain: a swap closes each replica's gate and waits for its calls in flight (every token's version
+    # exact; a long call delays the swap, calls wait at the gate). keep: vLLM pauses with `keep`,
+    # calls in flight stay and continue on the new weights, nothing waits; a chat-completions call
+    # that overlapped the update carries no engine spans, so its step is `version_ambiguous` and
+    # not trained on (docs/architecture.md, "Weight swaps").
+    swap_mode: Literal["drain", "keep"] = "drain"
+    # disk: the engine reloads a checkpoint folder. nccl: the trainer broadcasts its weights into the
+    # engine over vLLM's weight transfer engine (GPU only; proxy.control.engine_weights).
+    weight_transfer: Literal["disk", "nccl"] = "disk"
     # Folders `POST /atdp/v1/versions` may name checkpoints under (comma-separated); unset: the
     # trainer's checkpoint folder, ATDP_HOME/checkpoints. Anything else is a 400: the proxy would
     # otherwise hand any path on the engine's host to vLLM.

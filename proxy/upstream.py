@@ -1,10 +1,12 @@
 """The one seam to the engines: the vLLM replicas, choosing one per session, skipping dead ones,
 failing over, the upstream auth header, the swap gate, and `UpstreamError` for every upstream failure.
 
-Each replica has a gate. While a weight swap runs on a replica its gate is closed: new calls wait
-(bounded) or go to another open replica, and the swap starts only once the replica's in-flight
-calls have drained. So every call runs entirely under one weight version, and the version stamped
-on its tokens is exact by construction.
+Each replica has a gate. In a `drain` swap its gate is closed: new calls wait (bounded) or go to
+another open replica, and the swap starts only once the replica's in-flight calls have drained, so
+every call runs entirely under one weight version. In a `keep` swap the gate stays open and the
+engine holds its running requests across the update; each replica then counts its swap windows, and
+a call whose generation overlapped one reports the versions before and after (`Lease.window`)
+instead of claiming one version it cannot know.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ class Replica:
     dead_until: float = 0.0  # monotonic time before which we don't try it again
     failures: int = 0
     draining_until: float = 0.0  # monotonic end of a swap's wait for this replica's in-flight calls
+    # Keep-mode swap windows (proxy.control.swap): how many began, whether one is open now, and the
+    # versions on either side of the latest one. A window opens before the engine pauses and closes
+    # once `version` names the new weights.
+    swap_epoch: int = 0
+    in_swap: bool = False
+    previous_version: str | None = None
+    next_version: str | None = None
     _open: asyncio.Event = field(default_factory=asyncio.Event)
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -107,6 +116,18 @@ class Replica:
         """Wait until no call of this process is in flight on the replica (TimeoutError after `timeout_s`)."""
         await asyncio.wait_for(self._drained.wait(), timeout_s)
 
+    def begin_window(self, target: str | None) -> None:
+        """A keep-mode swap to `target` is about to pause the engine: calls in flight may span it."""
+        self.swap_epoch += 1
+        self.in_swap = True
+        self.previous_version, self.next_version = self.version, target
+
+    def end_window(self, version: str | None = None) -> None:
+        """The engine serves `version` (when given) and no update is under way."""
+        if version:
+            self.version = version
+        self.in_swap = False
+
     def mark_dead(self, seconds: float = 2.0) -> None:
         self.failures += 1
         # Back off longer for a replica that keeps failing, up to 30 s.
@@ -119,10 +140,23 @@ class Replica:
 
 @dataclass
 class Lease:
-    """A call's hold on a replica; `version` is what the replica serves for the whole call."""
+    """A call's hold on a replica; `version` is what the replica served when the call entered."""
 
     replica: Replica
     version: str
+    epoch: int = 0  # the replica's swap_epoch at entry
+    entered_in_swap: bool = False  # entered while a keep-mode update was under way
+    before: str | None = None  # the version served before that update
+
+    def window(self) -> tuple[str, str] | None:
+        """(before, after) when a keep-mode swap overlapped the call so far, else None: its tokens
+        may come from either version. Asked once the output is read: a window that began before the
+        last token did was counted before the engine paused, so it is never missed (a window that
+        began just after only makes the answer conservative)."""
+        r = self.replica
+        if not self.entered_in_swap and r.swap_epoch == self.epoch:
+            return None
+        return self.before or self.version, (r.next_version if r.in_swap and r.next_version else r.version)
 
 
 class ReplicaPool:
@@ -164,7 +198,9 @@ class ReplicaPool:
                 raise NoReplicaAvailable(f"{replica.label} is swapping weights; held too long") from None
         replica.inflight += 1
         replica._drained.clear()
-        return Lease(replica=replica, version=replica.version)
+        return Lease(replica=replica, version=replica.version, epoch=replica.swap_epoch,
+                     entered_in_swap=replica.in_swap,
+                     before=replica.previous_version if replica.in_swap else replica.version)
 
     def release(self, lease: Lease) -> None:
         r = lease.replica

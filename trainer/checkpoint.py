@@ -121,6 +121,11 @@ def _prepare(state: dict[str, torch.Tensor], dtype: DType, tied: bool) -> dict[s
     return out
 
 
+def prepared_state(state: dict[str, torch.Tensor], base_dir: Path, dtype: DType) -> dict[str, torch.Tensor]:
+    """The tensors `write_checkpoint` writes for `state` (what an NCCL transfer sends instead)."""
+    return _prepare(state, dtype, _tied(json.loads((Path(base_dir) / "config.json").read_text())))
+
+
 def _tied(config: dict) -> bool:
     text = config.get("text_config") or {}
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))

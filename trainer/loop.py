@@ -100,6 +100,7 @@ class TrainConfig:
     lora_r: int = 0
     seed: int = 0
     swap_timeout_s: float = 900.0
+    weight_transfer: str = "disk"  # nccl: the engine also gets the weights over NCCL (trainer.weight_transfer)
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     # Consent is checked again when steps are loaded: the database row over ATDP_POLICY_FILE over the
     # defaults (ATDP_PRODUCTION: no consent unless given). `atdp train` builds it from the settings.
@@ -254,6 +255,7 @@ class Controller:
         from trainer import swap
         from trainer.checkpoint import write_checkpoint
         from trainer.lease import LineageRow
+        from trainer.weight_transfer import publish_version
 
         cfg = self.cfg
         name = swap.pick_name(self.factory)
@@ -290,10 +292,9 @@ class Controller:
                                        error=error)
         else:
             self.display.phase(f"swapping to {name}")
-            outcome = swap.request_swap(
-                self.factory, proxy_url=cfg.proxy_url, proxy_key=cfg.proxy_key, version_id=version_id, name=name,
-                checkpoint=str(out), parent=plan.version_id, timeout_s=cfg.swap_timeout_s,
-            )
+            outcome = publish_version(cfg, state, base_dir, out, functools.partial(  # disk, or NCCL as well
+                swap.request_swap, self.factory, proxy_url=cfg.proxy_url, proxy_key=cfg.proxy_key, version_id=version_id,
+                name=name, checkpoint=str(out), parent=plan.version_id, timeout_s=cfg.swap_timeout_s))
         metrics.update(version=name, swap_status=outcome.status, swap_seconds=outcome.seconds,
                        swap_error=outcome.error)
         with self.factory() as s, s.begin():

@@ -115,6 +115,7 @@ def train_config(args: argparse.Namespace, settings: Settings) -> TrainConfig:
         behaviour_logprobs=args.behaviour_logprobs or "auto",
         engine_url=settings.upstream_urls[0] if settings.upstream_urls else None,
         engine_api_key=settings.upstream_api_key,
+        weight_transfer=settings.weight_transfer,
         lora_r=args.lora_r,
         seed=args.seed,
         policies=Policies.from_settings(settings),

@@ -41,7 +41,8 @@ from sqlalchemy import select
 from atdp_schema.models import GateState, VersionStatus
 from proxy.control.canary import begin as begin_canary
 from proxy.control.canary import wait_for_canary
-from proxy.control.swap import Versions, load_weights
+from proxy.control.engine_weights import load_weights
+from proxy.control.swap import Versions
 from proxy.evaluation import safety
 from proxy.evaluation.cases import Answer, EvalCase, EvalSet, SuiteError, add_held_out, load_suites
 from proxy.evaluation.evaluators import EvaluatorError, Registry

@@ -1,11 +1,15 @@
 """Versioned hot-swap of every vLLM replica, and rollback's restore path.
 
-A swap goes one replica at a time. For each: close its gate (new calls wait or go to another open
-replica), wait until its in-flight calls drained, run vLLM's dev-mode sequence (pause, reload
-weights, tag the weight version, resume), set `replica.version`, reopen. A call is stamped with
-`replica.version` when it enters the gate and no call is in flight while the weights change, so every
-output token's version is exact. If any replica fails, every replica already swapped (and the failed
-one) is reloaded with the previous checkpoint: the old version keeps serving everywhere.
+A swap goes one replica at a time, in the mode `ATDP_SWAP_MODE` names.
+drain: close its gate (new calls wait or go to another open replica), wait until its in-flight
+calls drained, run vLLM's dev-mode sequence (pause, reload weights, tag the weight version,
+resume), set `replica.version`, reopen. A call is stamped with `replica.version` when it enters the
+gate and no call is in flight while the weights change, so every output token's version is exact.
+keep: the gate stays open; every proxy opens a swap window on the replica (proxy.upstream: calls in
+flight across it learn they may hold tokens of both versions), then the engine pauses with `keep`,
+reloads, is tagged, resumes, and the window closes with the new version stamped.
+If any replica fails, every replica already swapped (and the failed one) is reloaded with the
+previous checkpoint: the old version keeps serving everywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ from sqlalchemy.exc import IntegrityError
 
 from atdp_schema.models import VersionStatus
 from proxy import telemetry
+from proxy.control.engine_weights import (
+    SwapError,
+    SwapMode,
+    from_checkpoint,
+    load_weights,
+    source_for,
+    update,
+)
 from proxy.control.swapbus import Driver, SwapBus
 from proxy.errors import ApiError
 from proxy.governance.tokens import find_tokenizer
@@ -38,33 +50,6 @@ from proxy.upstream import Replica, redact_url_text
 log = logging.getLogger("atdp.versions")
 
 
-class SwapError(Exception):
-    pass
-
-
-async def _check(resp: httpx.Response, what: str) -> None:
-    if resp.status_code >= 400:
-        raise SwapError(f"{what} answered {resp.status_code}: {resp.text[:300]}")
-
-
-async def load_weights(client: httpx.AsyncClient, replica: Replica, checkpoint: str, name: str, *,
-                       headers: dict[str, str], timeout_s: float) -> None:
-    """vLLM dev mode: pause (let running requests end), reload, tag the version, resume."""
-    url, shown = replica.url, replica.label  # errors name the replica without its credentials
-    await _check(await client.post(url + "/pause", params={"mode": "wait"}, headers=headers, timeout=timeout_s),
-                 f"{shown}/pause")
-    try:
-        rpc = await client.post(url + "/collective_rpc", headers=headers, timeout=timeout_s,
-                                json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}})
-        await _check(rpc, f"{shown} reload_weights({checkpoint})")
-        tag = await client.post(url + "/update_weight_version", json={"new_version": name}, headers=headers,
-                                timeout=timeout_s)
-        await _check(tag, f"{shown}/update_weight_version")
-    finally:
-        # Never leave a replica paused: it would hold every call sent to it.
-        await _check(await client.post(url + "/resume", headers=headers, timeout=timeout_s), f"{shown}/resume")
-
-
 class Versions:
     """The proxy's view of versions: what serves now, and the one swap that may run at a time."""
 
@@ -75,6 +60,8 @@ class Versions:
         self.ready = threading.Event()
         self.drain_timeout_s = state.settings.swap_drain_timeout_s
         self.load_timeout_s = state.settings.swap_load_timeout_s
+        self.mode = state.settings.swap_mode
+        self.transfer = state.settings.weight_transfer  # disk | nccl (proxy.control.engine_weights)
         self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
         self.canary_task: asyncio.Task | None = None  # the running canary's monitor (proxy.control.canary)
         self.bus: SwapBus | None = None  # swaps across the proxies on this database (set on connect)
@@ -113,6 +100,28 @@ class Versions:
                 yield replica
             finally:
                 await driver.open(replica)
+
+    @contextlib.asynccontextmanager
+    async def window(self, replica: Replica, target: str) -> AsyncIterator[Replica]:
+        """A keep-mode swap window on `replica`, on this proxy and, while driving, on every proxy
+        (each has opened it before the body runs); on leaving, every proxy stamps `replica.version`."""
+        replica.begin_window(target)
+        driver = self._driver
+        try:
+            if driver is not None:
+                try:
+                    await driver.close(replica, keep=target)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await driver.open(replica)
+                    raise
+            try:
+                yield replica
+            finally:
+                if driver is not None:
+                    await driver.open(replica)
+        finally:
+            replica.end_window()
 
     def start_gates(self, target: VersionRef, run: Callable[[], Coroutine[Any, Any, dict[str, Any] | None]]
                     ) -> asyncio.Task:
@@ -250,33 +259,17 @@ class Versions:
     async def _swap(self, target: VersionRef, replicas: list[Replica] | None, previous: VersionRef,
                     becomes_current: bool) -> dict[str, Any]:
         pool = self.state.pool
-        client, headers = self.state.client, pool.auth_headers
-        assert client is not None
         t0 = time.perf_counter()
         done: list[Replica] = []
         timings: list[dict[str, Any]] = []
         try:
             for replica in pool.replicas if replicas is None else replicas:
-                t_gate = time.perf_counter()
-                async with self.closed(replica):
-                    t_load = time.perf_counter()
-                    try:
-                        await load_weights(client, replica, target.checkpoint, target.name, headers=headers,
-                                           timeout_s=self.load_timeout_s)
-                    except BaseException:
-                        # The reload may have half-replaced the weights: put the old ones back before
-                        # the gate reopens.
-                        await self.restore(replica, previous)
-                        raise
-                    replica.version = target.name
+                timings.append(await self._swap_one(replica, target, previous))
                 done.append(replica)
-                timings.append({"url": replica.label, "drain_s": round(t_load - t_gate, 4),
-                                "load_s": round(time.perf_counter() - t_load, 4)})
         except Exception as e:
             error = f"{type(e).__name__}: {redact_url_text(str(e))}" if str(e) else f"{type(e).__name__} (drain timeout?)"
             for replica in done:
-                async with self.closed(replica):
-                    await self.restore(replica, previous)
+                await self._roll_back(replica, previous)
             telemetry.SWAPS.labels("failed").inc()
             log.error("swap to %s failed (%s); %s serves on every replica", target.name, error, previous.name)
             return {"ok": False, "error": error, "seconds": time.perf_counter() - t0, "replicas": timings}
@@ -289,11 +282,46 @@ class Versions:
                  len(done), seconds)
         return {"ok": True, "error": None, "seconds": seconds, "replicas": timings}
 
-    async def restore(self, replica: Replica, previous: VersionRef) -> None:
+    async def _swap_one(self, replica: Replica, target: VersionRef, previous: VersionRef) -> dict[str, Any]:
+        client, headers = self.state.client, self.state.pool.auth_headers
+        assert client is not None
+        t_gate = time.perf_counter()
+        source = source_for(target.checkpoint, target.name, self.transfer)
+        if self.mode == "keep":
+            async with self.window(replica, target.name):
+                t_load = time.perf_counter()
+                # A failed update puts the previous weights back (from disk) before the engine resumes.
+                timings = await update(client, replica, source, headers=headers, timeout_s=self.load_timeout_s,
+                                       mode="keep", fallback=from_checkpoint(previous.checkpoint, previous.name))
+                replica.version = target.name
+        else:
+            async with self.closed(replica):
+                t_load = time.perf_counter()
+                try:
+                    timings = await update(client, replica, source, headers=headers, timeout_s=self.load_timeout_s)
+                except BaseException:
+                    # The reload may have half-replaced the weights: put the old ones back before
+                    # the gate reopens.
+                    await self.restore(replica, previous)
+                    raise
+                replica.version = target.name
+        return {"url": replica.label, "mode": self.mode, "drain_s": round(t_load - t_gate, 4),
+                "load_s": round(time.perf_counter() - t_load, 4), "window_s": timings.window_s,
+                "routes_s": timings.steps}
+
+    async def _roll_back(self, replica: Replica, previous: VersionRef) -> None:
+        if self.mode == "keep":
+            async with self.window(replica, previous.name):
+                await self.restore(replica, previous, mode="keep")
+        else:
+            async with self.closed(replica):
+                await self.restore(replica, previous)
+
+    async def restore(self, replica: Replica, previous: VersionRef, *, mode: SwapMode = "drain") -> None:
         try:
             assert self.state.client is not None, "the app is not started"
             await load_weights(self.state.client, replica, previous.checkpoint, previous.name,
-                               headers=self.state.pool.auth_headers, timeout_s=self.load_timeout_s)
+                               headers=self.state.pool.auth_headers, timeout_s=self.load_timeout_s, mode=mode)
             replica.version = previous.name
         except Exception as e:
             # The replica's weights are unknown now: keep calls away from it for a while.

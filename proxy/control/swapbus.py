@@ -10,6 +10,11 @@ announces `open` with the version to stamp, then lets the lock go; each proxy se
 `replica.version`, reopens its gate and takes its shared lock again. A proxy that misses the `open`
 (its listener reconnecting) reopens once no proxy holds the driver lock.
 
+A keep-mode swap (`close` with `keep`: the version it loads) goes the same way but no gate closes
+and nothing drains: each proxy opens a swap window on the replica (proxy.upstream.Replica.begin_window)
+and lets its shared lock go at once, so the driver's lock is granted only once every proxy knows
+that calls in flight there may span the update; `open` closes the window with the new version.
+
 Not covered: a proxy whose listener is not connected (database away at its start) is not counted
 and keeps its gate open.
 """
@@ -126,6 +131,11 @@ class SwapBus:
             if pending is not None:  # the shared lock of the previous swap is taken back first
                 await pending
             self._opened[replica.label] = asyncio.Event()
+            if msg.get("keep"):
+                replica.begin_window(msg["keep"])
+                await self._locks.execute("SELECT pg_advisory_unlock_shared(%s)", (lock_key(replica.label),))
+                self._relock[replica.label] = asyncio.create_task(self._take_back(replica))
+                return
             replica.close_gate()
             try:
                 await replica.drained(self.drain_timeout_s)
@@ -137,8 +147,7 @@ class SwapBus:
             await self._locks.execute("SELECT pg_advisory_unlock_shared(%s)", (lock_key(replica.label),))
             self._relock[replica.label] = asyncio.create_task(self._take_back(replica))
         elif msg.get("op") == "open":
-            if msg.get("version"):
-                replica.version = msg["version"]
+            replica.end_window(msg.get("version"))
             replica.open_gate()
             if ev := self._opened.get(replica.label):
                 ev.set()
@@ -203,13 +212,15 @@ class Driver:
     def __init__(self, bus: SwapBus, conn: psycopg.AsyncConnection) -> None:
         self.bus, self.conn = bus, conn
 
-    async def _announce(self, op: str, replica: Replica, version: str | None = None) -> None:
-        payload = orjson.dumps({"op": op, "replica": replica.label, "version": version, "from": self.bus.me}).decode()
+    async def _announce(self, op: str, replica: Replica, version: str | None = None, keep: str | None = None) -> None:
+        payload = orjson.dumps({"op": op, "replica": replica.label, "version": version, "keep": keep,
+                                "from": self.bus.me}).decode()
         await self.conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
 
-    async def close(self, replica: Replica) -> None:
-        """Every proxy's gate for `replica` closed and drained (psycopg error after the drain timeout)."""
-        await self._announce("close", replica)
+    async def close(self, replica: Replica, keep: str | None = None) -> None:
+        """Every proxy's gate for `replica` closed and drained (psycopg error after the drain timeout);
+        with `keep` (the version being loaded): every proxy's swap window on it open instead."""
+        await self._announce("close", replica, keep=keep)
         await self.conn.execute("SELECT pg_advisory_lock(%s)", (lock_key(replica.label),))
 
     async def open(self, replica: Replica) -> None:

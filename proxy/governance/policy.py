@@ -197,6 +197,8 @@ def load_policies(path: str | Path) -> dict[str, TenantPolicy]:
     return policies
 
 
+# The reason's prefix for a step whose tokens may come from either side of a keep-mode swap.
+VERSION_AMBIGUOUS = "version_ambiguous"
 PROVIDER_REASON = "ok: provider model, no engine tokens (supervised export only)"
 
 
@@ -207,8 +209,12 @@ def decide_eligibility(
     redaction_counts: dict[str, int],
     tokens_available: bool,
     provider: str | None = None,
+    version_window: tuple[str, str] | None = None,
 ) -> tuple[str, str]:
     """The eligibility of one captured step and why. The strictest applicable rule wins.
+
+    `version_window` (before, after): a keep-mode swap overlapped the call and no engine reported
+    which version sampled which token; such a step is never trained on (`version_ambiguous`).
 
     A provider step (`provider`: the LiteLLM model it went to) has no engine ids by nature: it can be
     `eligible`, for supervised / distillation export; the trainer's lease and the RL export also
@@ -229,6 +235,8 @@ def decide_eligibility(
     if not tokens_available and status not in ERROR_STATUSES and provider is None:
         # A failed call has nothing to train on anyway; it stays debuggable under the error rule.
         candidates.append((Eligibility.audit_only, "token ids not captured"))
+    if version_window is not None and tokens_available:
+        candidates.append((Eligibility.debug_only, f"{VERSION_AMBIGUOUS}: {version_window[0]} -> {version_window[1]}"))
     if not candidates:
         return Eligibility.eligible, PROVIDER_REASON if provider is not None else "ok"
     # Strictest first: deleted > quarantined > audit_only > debug_only > eligible.

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from atdp_schema.models import TokenSource
 from proxy.lru import LRU
+from proxy.store.tokens import step_versions
 
 Found = tuple[tuple[str, str], ...]  # (raw value, its replacement) pairs; raw: memory only
 
@@ -264,7 +265,8 @@ class TokenGuard:
         if leaked:
             return TokenDecision.dropped("a redacted value is still visible in the decoded ids")
         logprobs = list(st.output_logprobs)
-        versions = [version] * len(st.output_token_ids)
+        versions = step_versions(len(st.output_token_ids), engine=getattr(st, "output_versions", None),
+                                 window=getattr(st, "version_window", None), served=version)
         if not p_spans and not o_spans:
             return TokenDecision(TokenSource.engine, prompt, output, logprobs, versions, None)
         mask = [1] * len(st.output_token_ids) if o_spans else None

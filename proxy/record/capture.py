@@ -164,6 +164,12 @@ class CapturedStep:
     # A provider call (the routing table's LiteLLM model): no engine ids, supervised use only.
     provider: str | None = None
     cost: float | None = None  # from LiteLLM's cost map, for provider calls
+    # The weight version of each output token as the engine reported it (vLLM's WeightVersionSpan on
+    # its token-in-token-out path); None when the engine did not say.
+    output_versions: list[str] | None = None
+    # (before, after): a keep-mode swap overlapped the call and the engine did not report versions,
+    # so each token came from one of the two (proxy.upstream.Lease.window).
+    version_window: tuple[str, str] | None = None
 
 
 # Message fields a chat template may render that `proxy.sessions.match_key` does not compare.

@@ -26,7 +26,7 @@ from proxy.lru import LRU
 from proxy.record.capture import CapturedStep
 from proxy.store import tables as t
 from proxy.store.content import canonical, content_hash
-from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle
+from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle, step_versions
 from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
 
 TokenPolicy = Callable[..., TokenDecision]
@@ -94,12 +94,23 @@ def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any],
     )
 
 
+def versions_of(st: CapturedStep) -> list[str]:
+    return step_versions(len(st.output_token_ids), engine=st.output_versions, window=st.version_window,
+                         served=st.model_version)
+
+
+def version_window(st: CapturedStep) -> tuple[str, str] | None:
+    """The swap window that makes the step's versions unknown (None when the engine reported them)."""
+    if st.output_versions is not None and len(st.output_versions) == len(st.output_token_ids):
+        return None
+    return st.version_window
+
+
 def engine_tokens(st: CapturedStep) -> TokenDecision:
     """The ids exactly as the engine produced them (source `none` when the call produced none)."""
     has = bool(st.output_token_ids or st.prompt_token_ids)
     return TokenDecision(TokenSource.engine if has else TokenSource.none, list(st.prompt_token_ids),
-                         list(st.output_token_ids), list(st.output_logprobs),
-                         [st.model_version or "unknown"] * len(st.output_token_ids), None)
+                         list(st.output_token_ids), list(st.output_logprobs), versions_of(st), None)
 
 
 def dropped_tokens() -> TokenDecision:
@@ -272,7 +283,7 @@ class Preparer:
 
         eligibility, reason = decide_eligibility(
             policy, status=st.status, redaction_counts=report, tokens_available=tokens.source in TRAINABLE_SOURCES,
-            provider=st.provider,
+            provider=st.provider, version_window=version_window(st),
         )
         return step_record(
             st, session=SessionInfo(tenant_id=tenant, external_id=st.session.external_id, client=st.session.client,

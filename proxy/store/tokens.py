@@ -35,6 +35,24 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
+def ambiguous_version(before: str, after: str) -> str:
+    """The per-token version label of a token sampled by `before` or `after`, the proxy cannot tell
+    which (a keep-mode swap overlapped its call, no engine spans): never a version's own name."""
+    return f"{before}|{after}"
+
+
+def step_versions(n: int, *, engine: list[str] | None, window: tuple[str, str] | None, served: str | None
+                  ) -> list[str]:
+    """Each of a step's `n` output tokens' weight version: the engine's report when it made one;
+    else, when a keep-mode swap overlapped the call, a label naming both sides (the step is then not
+    eligible: proxy.governance.policy); else the version the call was served under."""
+    if engine is not None and len(engine) == n:
+        return list(engine)
+    if window is not None:
+        return [ambiguous_version(*window)] * n
+    return [served or "unknown"] * n
+
+
 def rle(values: list[str]) -> list[list[Any]]:
     """Run-length encode per-token versions: ["a","a","b"] -> [["a", 2], ["b", 1]]."""
     if values and values.count(values[0]) == len(values):  # the usual case: one version (C-speed count)

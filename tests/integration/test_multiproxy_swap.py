@@ -1,8 +1,10 @@
-"""A swap driven by one proxy closes every proxy's gate (issue 17, item 1: swap coordination).
+"""A swap driven by one proxy closes every proxy's gate (issue 17, item 1: swap coordination), or in
+keep mode opens a swap window on every proxy (issue 16, item 3).
 
 Three proxies share one database and two scripted replicas; a client's calls go round robin over
 the proxies during a swap driven by one of them. No call fails, and every stored step is stamped
-with the version of the weights that wrote it, whichever proxy served it.
+with the version of the weights that wrote it, whichever proxy served it; in keep mode a step that
+overlapped the update on any proxy is labelled with both versions and not eligible instead.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from proxy.store import tables as t
 from proxy.store.tokens import unrle
@@ -39,7 +42,8 @@ def _traffic(proxies, stop: threading.Event, results: list, errors: list, offset
             errors.append(f"{type(e).__name__}: {e}")
 
 
-def test_swap_through_three_proxies_under_round_robin_load(start_proxy, own_db):
+@pytest.mark.parametrize("mode", ["drain", "keep"])
+def test_swap_through_three_proxies_under_round_robin_load(start_proxy, own_db, mode):
     url, factory = own_db
     fakes, servers = [], []
     for _ in range(2):
@@ -52,7 +56,7 @@ def test_swap_through_three_proxies_under_round_robin_load(start_proxy, own_db):
         tenant = "t-swap3"
         proxies = []
         for _ in range(3):
-            p = start_proxy([f.url for f in fakes], database_url=url, tenant=tenant)
+            p = start_proxy([f.url for f in fakes], database_url=url, tenant=f"{tenant}-{mode}", swap_mode=mode)
             assert p.versions.ready.wait(30)
             proxies.append(p)
         deadline = time.monotonic() + 30
@@ -78,6 +82,7 @@ def test_swap_through_three_proxies_under_round_robin_load(start_proxy, own_db):
             w.join(60)
         assert r.status_code == 200, r.text
         assert r.json()["swap"]["ok"], r.json()
+        assert {x["mode"] for x in r.json()["swap"]["replicas"]} == {mode}
         assert not errors, errors[:5]
         assert all(f.weights == "w1" for f in fakes)
         # Every proxy stamps the new version now, not only the driver.
@@ -88,12 +93,17 @@ def test_swap_through_three_proxies_under_round_robin_load(start_proxy, own_db):
         for p in proxies:
             p.flush()
         with factory() as s:
-            steps = list(s.query(t.Step).filter(t.Step.tenant_id == tenant))
+            steps = list(s.query(t.Step).filter(t.Step.tenant_id == f"{tenant}-{mode}"))
         assert len(steps) == len(results) >= 24
-        wrong = [(st.model_version, bytes(st.output_token_ids).decode()[:6]) for st in steps
-                 if not bytes(st.output_token_ids).decode().startswith(f"[{weights_of[st.model_version]}] ")
-                 or set(unrle(st.output_versions)) != {st.model_version}]
+        ambiguous = [st for st in steps if set(unrle(st.output_versions)) == {"base|v1"}]
+        assert mode == "keep" or not ambiguous
+        assert all(st.eligibility == "debug_only" and st.eligibility_reason == "version_ambiguous: base -> v1"
+                   for st in ambiguous)
+        wrong = [(st.model_version, bytes(st.output_token_ids).decode()[:6]) for st in steps if st not in ambiguous
+                 and (not bytes(st.output_token_ids).decode().startswith(f"[{weights_of[st.model_version]}] ")
+                      or set(unrle(st.output_versions)) != {st.model_version})]
         assert wrong == []
+        print(f"{mode}: {len(steps)} steps, {len(ambiguous)} ambiguous")
         assert {st.model_version for st in steps} == {"base", "v1"}
         assert len({st.upstream for st in steps}) == 2
     finally:

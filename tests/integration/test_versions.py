@@ -346,7 +346,11 @@ def test_a_long_call_never_fails_the_calls_held_behind_a_swap(start_proxy, fake_
     time.sleep(0.5)
     swapper = threading.Thread(target=swap)
     swapper.start()
-    time.sleep(0.3)
+    # Held means sent once the gate is closed (the POST takes 0.2-0.4 s to get there on a loaded machine).
+    deadline = time.monotonic() + 10
+    while proxy.state.pool.replicas[0].is_open:
+        assert time.monotonic() < deadline, "the swap never closed the gate"
+        time.sleep(0.01)
     held = [threading.Thread(target=call, args=(f"held{i}", f"held {i}")) for i in range(3)]
     for th in held:
         th.start()

@@ -1,0 +1,152 @@
+"""One replica's weight update through vLLM's dev-mode routes, in either swap mode.
+
+drain (`pause?mode=wait`): the proxy's gate already kept calls away and waited for those in flight;
+the engine has nothing running. keep (`pause?mode=keep`): the engine freezes its running requests
+where they are and carries them on after `/resume`, so the time between `/pause` and `/resume` (the
+window) is what a request in flight waits. In keep mode a failed update puts the previous weights
+back before resuming: no token is ever sampled by half-replaced weights.
+
+The weights come from a checkpoint folder (`reload_weights`, disk) or from the trainer over vLLM's
+weight transfer engine (nccl: `/start_weight_update`, `/update_weights` while the trainer
+broadcasts, `/finish_weight_update` with the version); see `trainer/weight_transfer.py` for the
+sending side. The nccl path is taken only with `ATDP_WEIGHT_TRANSFER=nccl` and a checkpoint whose
+trainer left `weight_transfer.json` in it (it broadcasts that version); anything else (a folder
+posted by hand, a file that cannot be read, gates, rollbacks) reloads from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from proxy.upstream import Replica
+
+log = logging.getLogger("atdp.versions")
+
+SwapMode = Literal["drain", "keep"]
+TRANSFER_FILE = "weight_transfer.json"  # written by trainer.weight_transfer (same name)
+PAUSE_MODE: dict[str, str] = {"drain": "wait", "keep": "keep"}
+
+
+class SwapError(Exception):
+    pass
+
+
+@dataclass
+class Timings:
+    """Seconds each route took, and the window: from sending `/pause` to `/resume` answered."""
+
+    steps: dict[str, float] = field(default_factory=dict)
+    window_s: float = 0.0
+
+
+async def _check(resp: httpx.Response, what: str) -> None:
+    if resp.status_code >= 400:
+        raise SwapError(f"{what} answered {resp.status_code}: {resp.text[:300]}")
+
+
+# A weight source: given the replica's client call (route, json), put `version`'s weights in place.
+Source = Callable[["Routes"], Awaitable[None]]
+
+
+@dataclass
+class Routes:
+    """The dev-mode routes of one replica, each call checked and timed."""
+
+    client: httpx.AsyncClient
+    replica: Replica
+    headers: dict[str, str]
+    timeout_s: float
+    timings: Timings = field(default_factory=Timings)
+
+    async def post(self, route: str, *, json: dict[str, Any] | None = None, params: dict[str, str] | None = None,
+                   what: str | None = None) -> httpx.Response:
+        t0 = time.perf_counter()
+        resp = await self.client.post(self.replica.url + route, json=json, params=params, headers=self.headers,
+                                      timeout=self.timeout_s)
+        # errors name the replica without its credentials (and the route apart: a URL's path is cut)
+        await _check(resp, f"{self.replica.label} {what or route}")
+        self.timings.steps[route.strip("/")] = round(time.perf_counter() - t0, 4)
+        return resp
+
+
+def from_checkpoint(checkpoint: str, name: str) -> Source:
+    """The disk path: the engine reloads `checkpoint` (same architecture) and is tagged `name`."""
+
+    async def load(routes: Routes) -> None:
+        await routes.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}},
+                          what=f"reload_weights({checkpoint})")
+        await routes.post("/update_weight_version", json={"new_version": name})
+
+    return load
+
+
+def from_transfer(info: dict[str, list], name: str) -> Source:
+    """The nccl path: the engine's workers receive `info`'s tensors from the trainer's broadcast."""
+
+    async def load(routes: Routes) -> None:
+        await routes.post("/start_weight_update")
+        await routes.post("/update_weights", json={"update_info": info})
+        await routes.post("/finish_weight_update", json={"weight_version": name})
+
+    return load
+
+
+def transfer_info(checkpoint: str) -> dict[str, list] | None:
+    """The update info the trainer left in `checkpoint` for an NCCL transfer, or None (disk)."""
+    try:
+        data = json.loads((Path(checkpoint) / TRANSFER_FILE).read_text())
+        info = data["update_info"]
+        n = len(info["names"])
+        if data.get("backend") != "nccl" or not n or len(info["dtype_names"]) != n or len(info["shapes"]) != n:
+            raise ValueError("names, dtype_names and shapes must be non-empty and of one length")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s/%s unusable (%s): the engine reloads the checkpoint from disk", checkpoint, TRANSFER_FILE, e)
+        return None
+    return {"names": info["names"], "dtype_names": info["dtype_names"], "shapes": info["shapes"]}
+
+
+def source_for(checkpoint: str, name: str, transfer: str) -> Source:
+    """How the swap to `name` gets its weights: over NCCL when configured and the trainer sends them."""
+    info = transfer_info(checkpoint) if transfer == "nccl" else None
+    return from_transfer(info, name) if info is not None else from_checkpoint(checkpoint, name)
+
+
+async def update(client: httpx.AsyncClient, replica: Replica, source: Source, *, headers: dict[str, str],
+                 timeout_s: float, mode: SwapMode = "drain", fallback: Source | None = None) -> Timings:
+    """Pause, put `source`'s weights in place, resume. `fallback` (keep mode): the previous weights,
+    loaded before resuming when `source` fails; the error is raised after."""
+    routes = Routes(client, replica, headers, timeout_s)
+    t0 = time.perf_counter()
+    await routes.post("/pause", params={"mode": PAUSE_MODE[mode]})
+    try:
+        try:
+            await source(routes)
+        except BaseException:
+            if fallback is not None and mode == "keep":
+                await fallback(routes)
+            raise
+    finally:
+        # Never leave a replica paused: it would hold every call sent to it.
+        await routes.post("/resume")
+        routes.timings.window_s = round(time.perf_counter() - t0, 4)
+    return routes.timings
+
+
+async def load_weights(client: httpx.AsyncClient, replica: Replica, checkpoint: str, name: str, *,
+                       headers: dict[str, str], timeout_s: float, mode: SwapMode = "drain",
+                       fallback: tuple[str, str] | None = None) -> Timings:
+    """vLLM dev mode: pause, reload `checkpoint`, tag the version `name`, resume. `fallback`:
+    (checkpoint, name) put back before resuming when the reload fails (keep mode)."""
+    back = from_checkpoint(*fallback) if fallback else None
+    return await update(client, replica, from_checkpoint(checkpoint, name), headers=headers, timeout_s=timeout_s,
+                        mode=mode, fallback=back)
