@@ -87,7 +87,7 @@ def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any],
         tool_results=[ToolResultRow(call_id=r.call_id, result_hash=h, is_error=r.is_error) for r, h in refs["results"]],
         token_source=tokens.source, prompt_prefix_len=prefix_len, prompt_token_ids=tokens.prompt_ids[prefix_len:],
         output_token_ids=tokens.output_ids, output_logprobs=tokens.logprobs, output_versions=rle(tokens.versions),
-        output_mask=tokens.output_mask, finish_reason=st.finish_reason, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
+        output_mask=tokens.output_mask, prompt_path=st.prompt_path, finish_reason=st.finish_reason, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
         prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, redaction=redaction,
         eligibility=eligibility, eligibility_reason=reason, retention_until=retention, replay_of=st.replay_of,
         cost=st.cost,
@@ -97,9 +97,11 @@ def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any],
 def engine_tokens(st: CapturedStep) -> TokenDecision:
     """The ids exactly as the engine produced them (source `none` when the call produced none)."""
     has = bool(st.output_token_ids or st.prompt_token_ids)
+    versions = st.output_versions
+    if versions is None or len(versions) != len(st.output_token_ids):  # the engine did not say: the proxy's
+        versions = [st.model_version or "unknown"] * len(st.output_token_ids)
     return TokenDecision(TokenSource.engine if has else TokenSource.none, list(st.prompt_token_ids),
-                         list(st.output_token_ids), list(st.output_logprobs),
-                         [st.model_version or "unknown"] * len(st.output_token_ids), None)
+                         list(st.output_token_ids), list(st.output_logprobs), list(versions), None)
 
 
 def dropped_tokens() -> TokenDecision:

@@ -87,6 +87,7 @@ class StepRecord:
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[list[Any]] = field(default_factory=list)  # [[version_id, count], ...]
     output_mask: list[int] | None = None
+    prompt_path: str | None = None  # tito | rendered (proxy.tito); None: a provider call
     finish_reason: str | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None
@@ -249,7 +250,7 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             "output_hash": r.output_hash, "token_source": r.token_source, "prompt_prefix_len": r.prompt_prefix_len,
             "prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
             "output_logprobs": r.output_logprobs, "output_versions": r.output_versions,
-            "output_mask": r.output_mask, "finish_reason": r.finish_reason, "started_at": r.started_at,
+            "output_mask": r.output_mask, "prompt_path": r.prompt_path, "finish_reason": r.finish_reason, "started_at": r.started_at,
             "ttft_ms": r.ttft_ms, "total_ms": r.total_ms, "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens, "cost": r.cost, "redaction": r.redaction,
             "eligibility": r.eligibility, "eligibility_reason": r.eligibility_reason,
