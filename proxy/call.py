@@ -317,7 +317,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         client_info=call.client_info, replay_of=call.replay_of,
         history_extras=history_extras(call.native_messages[: call.continuation.history_len]),
         provider=call.provider.provider if call.provider is not None else None, cost=cost,
-        output_versions=cap.output_versions, prompt_path=call.prompt_path,
+        output_versions=_engine_versions(cap.output_versions, call.version), prompt_path=call.prompt_path,
     )
     call.state.recorder.submit(step)
     telemetry.REQUESTS.labels(call.api, status).inc()
@@ -332,6 +332,14 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         end_ns=time.time_ns(), finish_reason=cap.finish_reason, upstream=step.upstream,
         error=error_summary(error),
     )
+
+
+def _engine_versions(versions: list[str] | None, served: str | None) -> list[str] | None:
+    """The engine's per-token versions; vLLM labels weights it was never told the name of "default":
+    those are the version the replica started with, as the proxy names it."""
+    if versions is None or served is None:
+        return versions
+    return [served if v == "default" else v for v in versions]
 
 
 async def settle(call: Call) -> None:

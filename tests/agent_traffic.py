@@ -93,7 +93,9 @@ def claude_code(base_url: str, model: str, *, turns: int = 3, stream: bool = Fal
     messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "Which tests fail?"}]}]
     for turn in range(turns):
         last = turn == turns - 1
-        kw: dict[str, Any] = {"model": model, "system": system, "messages": messages, "tools": tools, "temperature": 0}
+        # (this SDK takes no `temperature` argument; Claude Code sends one, as a body field)
+        kw: dict[str, Any] = {"model": model, "system": system, "messages": messages, "tools": tools,
+                              "extra_body": {"temperature": 0}}
         if last:
             kw.update(tool_choice={"type": "none"}, max_tokens=LAST_TOKENS)
         else:
@@ -128,9 +130,9 @@ def codex(base_v1: str, model: str, *, turns: int = 3, stream: bool = False) -> 
             kw.update(tool_choice="none", max_output_tokens=LAST_TOKENS)
         else:
             kw.update(tool_choice={"type": "function", "name": "exec_command"}, max_output_tokens=TOOL_TOKENS)
-        if stream:
-            with client.responses.stream(**kw) as s:
-                answer = s.get_final_response()
+        if stream:  # (the SDK's stream helper wants `response.completed`; a cut answer ends `incomplete`)
+            ends = ("response.completed", "response.incomplete")
+            answer = next(e.response for e in client.responses.create(stream=True, **kw) if e.type in ends)
         else:
             answer = client.responses.create(**kw)
         if last:

@@ -58,7 +58,7 @@ def test_compacted_history_is_rendered_and_recorded(start_proxy, vllm_server, fa
     # Claude Code compacts: same session, its history replaced by a summary. No parent to reuse.
     client = anthropic.Anthropic(api_key="k", base_url=proxy.url,
                                  default_headers={"x-claude-code-session-id": conv.session_hint or ""})
-    client.messages.create(model=vllm_server.model, max_tokens=8, temperature=0, messages=[
+    client.messages.create(model=vllm_server.model, max_tokens=8, extra_body={"temperature": 0}, messages=[
         {"role": "user", "content": "Summary: two tests failed."},
         {"role": "assistant", "content": "Noted."},
         {"role": "user", "content": "Continue."},
