@@ -32,7 +32,7 @@ from proxy.sessions import Continuation, SessionRef, StepLink, body_hash, match_
 from proxy.state import AppState
 from proxy.store.ids import new_id
 from proxy.store.links import LinkRow
-from proxy.tito import TitoResponse, TitoUnavailable, complete
+from proxy.tito import NoScaleOut, TitoResponse, TitoUnavailable, complete
 from proxy.translate import TranslationError
 from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import iter_sse
@@ -181,9 +181,12 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
             lease = await state.pool.acquire(replica)
         except NoReplicaAvailable as e:
             raise ReplicaFailed(str(e), 503) from None
-        if parent_ids is not None:
+        if parent_ids is not None and state.tokens.may_ask(replica.url):
             try:
                 completion = await complete(http, replica.url, headers, upstream_body, parent_ids)
+            except NoScaleOut as e:  # not this engine's routes: stop asking it for a while
+                state.tokens.engine_lacks_routes(replica.url)
+                log.warning("%s: %s; continuations render", replica.label, e)
             except TitoUnavailable as e:
                 log.info("step %s renders its prompt: %s", call.step_id, e)
             except (aiohttp.ClientError, TimeoutError, OSError):

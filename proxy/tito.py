@@ -39,6 +39,10 @@ class TitoUnavailable(Exception):
     """This call cannot take the token-in-token-out path; render instead (the reason is logged)."""
 
 
+class NoScaleOut(TitoUnavailable):
+    """The engine does not serve the routes (started without `--enable-scale-out`: 403, or 404)."""
+
+
 class TokenMemory:
     """Recent steps' prompt+output ids by step id, bounded by total tokens (oldest dropped first)."""
 
@@ -46,6 +50,13 @@ class TokenMemory:
         self._items: OrderedDict[str, array] = OrderedDict()
         self._total = 0
         self.max_tokens = max_tokens
+        self._without: dict[str, float] = {}  # engine URL -> until when not to ask it (NoScaleOut)
+
+    def engine_lacks_routes(self, url: str, for_s: float = 300.0) -> None:
+        self._without[url] = time.monotonic() + for_s
+
+    def may_ask(self, url: str) -> bool:
+        return self._without.get(url, 0.0) <= time.monotonic()
 
     def put(self, step_id: str, prompt_ids: list[int], output_ids: list[int]) -> None:
         if not prompt_ids or not output_ids or step_id in self._items:
@@ -101,6 +112,8 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], hea
                 what: str) -> dict[str, Any]:
     async with http.post(url, data=orjson.dumps(body), headers=headers) as resp:
         data = await resp.read()
+        if resp.status in (403, 404) and what.startswith("render"):
+            raise NoScaleOut(f"{what} answered {resp.status}: is vLLM started with --enable-scale-out?")
         if resp.status != 200:
             # The engine's message may echo the request: only the status goes into the reason.
             raise TitoUnavailable(f"{what} answered {resp.status}")

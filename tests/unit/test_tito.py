@@ -93,3 +93,12 @@ def test_streamed_and_whole_answers_capture_the_same() -> None:
         assert cap.output_versions == ["v1", "v2", "v2"]
         assert cap.assistant_message()["tool_calls"][0]["function"] == {"name": "Read", "arguments": '{"a": 1}'}
         assert cap.finish_reason == "tool_calls" and cap.usage == _completion()["usage"]
+
+
+def test_an_engine_without_the_routes_is_not_asked_again_for_a_while() -> None:
+    mem = TokenMemory()
+    assert mem.may_ask("http://e1")
+    mem.engine_lacks_routes("http://e1", for_s=60)
+    assert not mem.may_ask("http://e1") and mem.may_ask("http://e2")
+    mem.engine_lacks_routes("http://e2", for_s=0)
+    assert mem.may_ask("http://e2")
