@@ -102,7 +102,8 @@ def main() -> None:
         raise SystemExit("no vLLM environment: run scripts/vllm_env.sh")
     model_dir = cached_tiny_model(seed=0) if args.model == "tiny" else cached_smollm2()
     with VLLMServer(python=python, model_dir=model_dir, served_name=args.model,
-                    extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as engine:
+                    extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                    ready_timeout=1800.0) as engine:  # a busy 2-core machine compiles slowly
         result = {"model": args.model, "conversations_per_door": args.conversations, "turns": args.turns}
         for label, on in (("off", False), ("on", True)):
             result[label] = run_proxy(engine.base_url, args.model, tito=on, conversations=args.conversations,
