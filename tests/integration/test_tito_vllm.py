@@ -9,6 +9,7 @@ compacted its history is rendered and recorded as such.
 from __future__ import annotations
 
 import anthropic
+import httpx
 import pytest
 from sqlalchemy import select
 
@@ -73,3 +74,20 @@ def test_path_off_renders_every_call(start_proxy, vllm_server, factory) -> None:
     traffic.hermes(proxy.v1, vllm_server.model, turns=2)
     steps = documents(proxy, factory)
     assert sorted(s.tokens.prompt_path for s in steps) == ["rendered", "rendered"]
+
+
+def test_tito_steps_carry_the_versions_the_engine_reports(start_proxy, vllm_server, factory) -> None:
+    # The engine is tagged behind the proxy's back (same weights, a new label): the rendered first
+    # step carries the proxy's version, the tito continuation the engine's own spans.
+    proxy = start_proxy([vllm_server.base_url])
+    with httpx.Client(base_url=vllm_server.base_url, timeout=60) as engine:
+        engine.post("/update_weight_version", json={"new_version": "engine-tag"}).raise_for_status()
+        try:
+            traffic.hermes(proxy.v1, vllm_server.model, turns=2)
+        finally:  # the server is shared: back to vLLM's own label for untagged weights
+            engine.post("/update_weight_version", json={"new_version": "default"}).raise_for_status()
+    first, second = sorted(documents(proxy, factory), key=lambda s: s.seq)
+    assert second.tokens.prompt_path == "tito"
+    assert [(r.version, r.count) for r in second.tokens.output_versions] == [
+        ("engine-tag", len(second.tokens.output_token_ids))]
+    assert {r.version for r in first.tokens.output_versions} == {proxy.state.pool.replicas[0].version}
