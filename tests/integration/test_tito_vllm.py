@@ -80,6 +80,7 @@ def test_tito_steps_carry_the_versions_the_engine_reports(start_proxy, vllm_serv
     # The engine is tagged behind the proxy's back (same weights, a new label): the rendered first
     # step carries the proxy's version, the tito continuation the engine's own spans.
     proxy = start_proxy([vllm_server.base_url])
+    assert proxy.versions.ready.wait(60)  # its start-up tags the engine with the proxy's version first
     with httpx.Client(base_url=vllm_server.base_url, timeout=60) as engine:
         engine.post("/update_weight_version", json={"new_version": "engine-tag"}).raise_for_status()
         try:
