@@ -153,6 +153,11 @@ class TokenRecord(_Model):
         default=None, description="1 = trainable output token, 0 = masked (e.g. its text was redacted). None = all 1."
     )
     finish_reason: str | None = None
+    prompt_path: Literal["tito", "rendered"] | None = Field(
+        default=None,
+        description="How the prompt was built: 'tito' = the parent step's exact prompt+output ids followed by "
+        "the new turn's rendering; 'rendered' = the engine rendered the client's messages. None = not an engine call.",
+    )
 
 
 class Timings(_Model):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from proxy.sessions import Continuation, SessionRef, StepLink, body_hash, match_
 from proxy.state import AppState
 from proxy.store.ids import new_id
 from proxy.store.links import LinkRow
+from proxy.tito import NoScaleOut, TitoResponse, TitoUnavailable, complete
 from proxy.translate import TranslationError
 from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import iter_sse
@@ -47,7 +49,9 @@ from proxy.upstream import (
 )
 
 # A replica's answer, or a provider's behind the same interface.
-Answer = UpstreamResponse | ProviderResponse
+Answer = UpstreamResponse | ProviderResponse | TitoResponse
+
+log = logging.getLogger("atdp.call")
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Call:
     replay_of: str | None = None
     provider: ProviderRoute | None = None  # set when the routing table sent the call to a provider
     published: asyncio.Future[bool] | None = None  # its continuation keys, on their way to other proxies
+    prompt_path: str | None = None  # "tito" | "rendered" once an engine took the call (proxy.tito)
 
     @property
     def new_messages(self) -> list[Any]:
@@ -171,12 +176,31 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
     headers = {"content-type": "application/json", **state.pool.auth_headers}
     http = state.http
     assert http is not None, "the app is not started"
+    call.prompt_path = "rendered"
+    parent_ids = _tito_parent(call, path, upstream_body)
 
     async def attempt(replica: Replica) -> UpstreamResponse:
         try:
             lease = await state.pool.acquire(replica)
         except NoReplicaAvailable as e:
             raise ReplicaFailed(str(e), 503) from None
+        if parent_ids is not None and state.tokens.may_ask(replica.url):
+            try:
+                completion = await complete(http, replica.url, headers, upstream_body, parent_ids)
+            except NoScaleOut as e:  # not this engine's routes: stop asking it for a while
+                state.tokens.engine_lacks_routes(replica.url)
+                log.warning("%s: %s; continuations render", replica.label, e)
+            except TitoUnavailable as e:
+                log.info("step %s renders its prompt: %s", call.step_id, e)
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass  # the chat route below meets the same failure and handles it (failover)
+            else:
+                replica.mark_alive()
+                call.lease, call.version, call.upstream_url = lease, lease.version, replica.label
+                call.prompt_path = "tito"
+                opts = upstream_body.get("stream_options") or {}
+                return TitoResponse(completion, stream=bool(upstream_body.get("stream")),
+                                    include_usage=bool(opts.get("include_usage")))
         try:
             resp = UpstreamResponse(await _post(http, replica.url + path, content, headers))
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -206,6 +230,18 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
     route = await state.canary.route(call.principal.tenant, call.session.external_id,
                                      continues=call.continuation.history_len > 0)
     return await failover(state.pool, call.session.external_id, attempt, route.replicas if route else None)
+
+
+def _tito_parent(call: Call, path: str, body: dict[str, Any]) -> list[int] | None:
+    """The parent's prompt+output ids when this call may take the token-in-token-out path, else None."""
+    parent = call.continuation.parent
+    if (not call.state.settings.tito or path != "/v1/chat/completions" or parent is None or not parent.step_id
+            or body.get("n", 1) not in (1, None) or "continue_final_message" in body
+            or "add_generation_prompt" in body):
+        return None
+    if any(_is_output(m) for m in call.new_messages):
+        return None  # a model turn the client wrote after the parent's answer: not the parent's tokens
+    return call.state.tokens.get(parent.step_id)
 
 
 async def _post(http: aiohttp.ClientSession, url: str, content: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -272,6 +308,8 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
                                 parent.step_id if parent else None, call.continuation.history_len))
         if rows and call.state.links is not None:
             call.published = call.state.links.publish(rows)
+        if call.provider is None:  # a later turn may continue from these exact ids (proxy.tito)
+            call.state.tokens.put(call.step_id, cap.prompt_token_ids, cap.output_token_ids)
     usage = cap.usage or {}
     prompt_tokens = usage.get("prompt_tokens") or len(cap.prompt_token_ids)
     completion_tokens = usage.get("completion_tokens") or len(cap.output_token_ids)
@@ -293,6 +331,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         history_extras=history_extras(call.native_messages[: call.continuation.history_len]),
         provider=call.provider.provider if call.provider is not None else None, cost=cost,
         version_window=call.version_window,
+        output_versions=_engine_versions(cap.output_versions, call.version), prompt_path=call.prompt_path,
     )
     call.state.recorder.submit(step)
     telemetry.REQUESTS.labels(call.api, status).inc()
@@ -307,6 +346,14 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         end_ns=time.time_ns(), finish_reason=cap.finish_reason, upstream=step.upstream,
         error=error_summary(error),
     )
+
+
+def _engine_versions(versions: list[str] | None, served: str | None) -> list[str] | None:
+    """The engine's per-token versions; vLLM labels weights it was never told the name of "default":
+    those are the version the replica started with, as the proxy names it."""
+    if versions is None or served is None:
+        return versions
+    return [served if v == "default" else v for v in versions]
 
 
 async def settle(call: Call) -> None:

@@ -135,6 +135,10 @@ class Settings(BaseSettings):
     flush_interval_s: float = 0.05
     writer_lag_s: float = 30.0  # /healthz is not ok while a step waits longer than this to be durable
     upstream_timeout_s: float = 600.0
+    # Token-in-token-out (proxy/tito.py): a continuation of a step this proxy served is sent as the
+    # parent's exact prompt+output ids + the new turn (needs `vllm serve --enable-scale-out`; without
+    # the routes every call renders, as with 0).
+    tito: bool = True
     swap_hold_timeout_s: float = 60.0
     swap_drain_timeout_s: float = 120.0  # how long a swap waits for a replica's in-flight calls
     swap_load_timeout_s: float = 600.0  # how long vLLM may take to reload weights

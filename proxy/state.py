@@ -28,6 +28,7 @@ from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess
 from proxy.sessions import ContinuationIndex
 from proxy.store.links import LinkStore
+from proxy.tito import TokenMemory
 from proxy.upstream import ReplicaPool
 
 
@@ -54,6 +55,7 @@ class AppState:
     # (the Responses door's recent conversations) drop what links to forgotten sessions.
     forget_hooks: list[Callable[[str, set[str], bool], None]] = field(default_factory=list)
     links: LinkStore | None = None  # continuation keys shared with other proxies; set on connect
+    tokens: TokenMemory = field(default_factory=TokenMemory)  # served steps' ids, for token-in-token-out
 
     async def authenticate(self, request: Request, *, admin: bool = False, scope: str | None = None) -> Principal:
         """Who calls. `admin`: the route needs the admin key, or a scoped key covering `scope`;

@@ -42,6 +42,7 @@ def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bo
     session, and its pending spooled records go (the tombstone refuses any that still arrive)."""
     steps = set(report.step_ids)
     state.index.forget(steps)
+    state.tokens.forget(steps)
     for hook in state.forget_hooks:
         hook(report.tenant, steps, whole_tenant)
     state.recorder.forget(report.tenant, step_ids=report.step_ids,

@@ -118,6 +118,8 @@ class VLLMServer:
             # generation_config that the proxy cannot see in the request.
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",
+            # render / generate-from-ids / derender routes: the token-in-token-out path (proxy/tito.py)
+            "--enable-scale-out",
             *self.extra_args,
         ]  # fmt: skip
 

@@ -37,6 +37,7 @@ class ChatCapture:
     usage: dict[str, Any] | None = None
     response_id: str | None = None
     model: str | None = None
+    weight_spans: list[dict[str, Any]] = field(default_factory=list)  # the engine's, when it reports them
 
     def feed(self, part: Chunk) -> None:
         """What one chunk (`read_chunk`) or a whole completion (`read_completion`) adds."""
@@ -69,6 +70,8 @@ class ChatCapture:
                 cur.arguments += fn["arguments"]
         if part.finish_reason:
             self.finish_reason, self.stop_reason = part.finish_reason, part.stop_reason
+        if part.weight_versions:
+            self.weight_spans = list(part.weight_versions)
 
     def feed_chunk(self, chunk: dict[str, Any]) -> None:
         """One streamed `chat.completion.chunk` (only choice 0 is captured: n=1)."""
@@ -83,6 +86,12 @@ class ChatCapture:
     def has_output(self) -> bool:
         """Whether a first output arrived (token ids from vLLM; text or a tool call from a provider)."""
         return bool(self.output_token_ids or self.text or self.tool_calls or self.reasoning)
+
+    @property
+    def output_versions(self) -> list[str] | None:
+        """Per output token, the weight version the engine reports sampling it with; None when the
+        engine reported none (the chat route) or its spans do not cover the output exactly."""
+        return spans_to_versions(self.weight_spans, len(self.output_token_ids))
 
     @property
     def output_text(self) -> str:
@@ -170,6 +179,22 @@ class CapturedStep:
     # (before, after): a keep-mode swap overlapped the call and the engine did not report versions,
     # so each token came from one of the two (proxy.upstream.Lease.window).
     version_window: tuple[str, str] | None = None
+    # How the prompt was built: "tito" (the parent's exact ids + the new turn, proxy.tito),
+    # "rendered" (the engine rendered the client's messages), None (a provider call).
+    prompt_path: str | None = None
+
+
+def spans_to_versions(spans: list[dict[str, Any]], n_tokens: int) -> list[str] | None:
+    """`WeightVersionSpan`s ({version, start, end}, contiguous) -> one version per output token."""
+    if not spans:
+        return None
+    out: list[str] = []
+    for s in spans:
+        version, start, end = s.get("version"), s.get("start"), s.get("end")
+        if not (isinstance(version, str) and isinstance(start, int) and isinstance(end, int)) or start != len(out):
+            return None
+        out.extend([version] * max(0, end - start))
+    return out if len(out) == n_tokens else None
 
 
 # Message fields a chat template may render that `proxy.sessions.match_key` does not compare.

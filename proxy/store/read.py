@@ -128,7 +128,7 @@ def _step(st: t.Step, session_ext: str, contents: dict[str, Any], prompt_ids: li
             output_logprobs=[float(x) for x in st.output_logprobs],
             output_versions=[m.VersionRun(version=v, count=n) for v, n in st.output_versions],
             output_mask=list(st.output_mask) if st.output_mask is not None else None,
-            finish_reason=st.finish_reason,
+            finish_reason=st.finish_reason, prompt_path=st.prompt_path,
         ),
         timings=m.Timings(started_at=st.started_at, ttft_ms=st.ttft_ms, total_ms=st.total_ms),
         usage=m.Usage(prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, cost=st.cost),

@@ -129,6 +129,7 @@ class Step(Base):
     output_logprobs: Mapped[list[float]] = mapped_column(ARRAY(REAL), server_default="{}")
     output_versions: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))  # RLE
     output_mask: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    prompt_path: Mapped[str | None] = mapped_column(String(16))  # tito | rendered | NULL (provider, older)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     # Timings, usage.
     started_at: Mapped[datetime]

@@ -88,6 +88,7 @@ class StepRecord:
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[list[Any]] = field(default_factory=list)  # [[version_id, count], ...]
     output_mask: list[int] | None = None
+    prompt_path: str | None = None  # tito | rendered (proxy.tito); None: a provider call
     finish_reason: str | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None
@@ -184,7 +185,7 @@ STEP_COLUMNS = (
     "id", "session_id", "tenant_id", "seq", "parent_step_id", "api", "status", "error", "upstream", "model",
     "model_version", "system_hash", "tools_hash", "history_len", "message_hashes", "transcript_hash", "params",
     "output_hash", "token_source", "prompt_prefix_len", "prompt_token_ids", "output_token_ids", "output_logprobs",
-    "output_versions", "output_mask", "finish_reason", "started_at", "ttft_ms", "total_ms", "prompt_tokens",
+    "output_versions", "output_mask", "prompt_path", "finish_reason", "started_at", "ttft_ms", "total_ms", "prompt_tokens",
     "completion_tokens", "cost", "redaction", "eligibility", "eligibility_reason", "visibility", "retention_until",
     "replay_of",
 )
@@ -198,7 +199,7 @@ def _step_row(r: StepRecord, sid: str, seq: int) -> tuple:
         r.system_hash, r.tools_hash, r.history_len, text_array(r.message_hashes), r.transcript_hash,
         jsonb(pg_safe(r.params) if _has_nul(r.params) else r.params), r.output_hash, r.token_source,
         r.prompt_prefix_len, int_array(r.prompt_token_ids), int_array(r.output_token_ids),
-        real_array(r.output_logprobs), jsonb(r.output_versions), int_array(r.output_mask), r.finish_reason,
+        real_array(r.output_logprobs), jsonb(r.output_versions), int_array(r.output_mask), r.prompt_path, r.finish_reason,
         r.started_at, r.ttft_ms, r.total_ms, r.prompt_tokens, r.completion_tokens, r.cost, jsonb(r.redaction),
         r.eligibility, r.eligibility_reason, r.visibility, r.retention_until, r.replay_of,
     )

@@ -30,6 +30,9 @@ class Chunk(NamedTuple):
     tool_calls: Sequence[dict[str, Any]]  # fragments: index, id, function
     finish_reason: str | None
     stop_reason: Any
+    # The engine's `WeightVersionSpan`s ({version, start, end} over output tokens), on the last chunk
+    # of a token-in-token-out answer (proxy.tito); () from the chat route, which reports none.
+    weight_versions: Sequence[dict[str, Any]] = ()
 
 
 def error_message(chunk: dict[str, Any]) -> str | None:
@@ -70,4 +73,5 @@ def _with_choice(chunk: dict[str, Any], prompt_ids: list[int] | None, usage: dic
         chunk.get("id"), chunk.get("model"), None, prompt_ids, usage, True, choice.get("token_ids") or (),
         (lp.get("content") or ()) if isinstance(lp, dict) else (), delta.get("content") or None,
         reasoning_text(delta), calls, choice.get("finish_reason") or None, choice.get("stop_reason"),
+        choice.get("weight_versions") or (),
     )

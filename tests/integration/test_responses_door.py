@@ -269,7 +269,9 @@ def _direct(vllm_server, body: dict[str, Any], history: list[Any] | None = None)
 @pytest.mark.vllm
 @pytest.mark.parametrize("stream", [False, True])
 def test_vllm_tool_round_trip_token_exact(start_proxy, vllm_server, factory, stream):
-    proxy = start_proxy([vllm_server.base_url])
+    # The rendered path: each step's ids are what vLLM's chat route renders for the same body. The
+    # token-in-token-out path (continuations reuse the parent's ids) is tests/integration/test_tito_vllm.py.
+    proxy = start_proxy([vllm_server.base_url], tito=False)
     client = sdk(proxy)
     base = {"model": vllm_server.model, "max_output_tokens": 96, "temperature": 0, "tools": [SHELL, DOCS]}
 

@@ -1,0 +1,93 @@
+"""Token-in-token-out on real vLLM (tiny model, `--enable-scale-out`): multi-turn tool-calling
+conversations shaped like Hermes, Claude Code and Codex, through each door, streamed and not.
+
+Every continuation whose history matches its parent is sent as the parent's exact prompt+output ids
+followed by the new turn (`prompt_path = "tito"`), so its prompt begins with them; a client that
+compacted its history is rendered and recorded as such.
+"""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+from sqlalchemy import select
+
+from proxy.store import tables as t
+from proxy.store.read import session_document
+from tests import agent_traffic as traffic
+
+pytestmark = pytest.mark.vllm
+
+
+def documents(proxy, factory) -> list:
+    """Every step of the proxy's tenant, as ATDP documents (whole prompt ids, prompt_path)."""
+    proxy.flush()
+    with factory() as s:
+        sessions = s.scalars(select(t.Session).where(t.Session.tenant_id == proxy.tenant)).all()
+        return [step for sess in sessions for step in session_document(s, sess).steps]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("door", ["chat", "messages", "responses"])
+def test_continuations_reuse_the_exact_prefix(start_proxy, vllm_server, factory, door: str, stream: bool) -> None:
+    proxy = start_proxy([vllm_server.base_url])
+    model = vllm_server.model
+    if door == "chat":
+        traffic.hermes(proxy.v1, model, stream=stream)
+    elif door == "messages":
+        traffic.claude_code(proxy.url, model, stream=stream)
+    else:
+        traffic.codex(proxy.v1, model, stream=stream)
+    steps = documents(proxy, factory)
+    assert len(steps) == 3 and all(s.status == "ok" for s in steps), [(s.status, s.error) for s in steps]
+    assert len({s.session_id for s in steps}) == 1
+    first, *continuations = sorted(steps, key=lambda s: s.seq)
+    assert first.tokens.prompt_path == "rendered" and first.parent_step_id is None
+    # The forced calls really were tool calls, parsed back by the engine's parser on the tito path.
+    assert all(s.action.tool_calls for s in [first, continuations[0]])
+    assert [s.tokens.prompt_path for s in continuations] == ["tito", "tito"]
+    assert traffic.prefix_exact(steps) == (2, 2)
+    for s in continuations:
+        assert len(s.tokens.output_logprobs) == len(s.tokens.output_token_ids) > 0
+
+
+def test_compacted_history_is_rendered_and_recorded(start_proxy, vllm_server, factory) -> None:
+    proxy = start_proxy([vllm_server.base_url])
+    conv = traffic.claude_code(proxy.url, vllm_server.model, turns=2)
+    # Claude Code compacts: same session, its history replaced by a summary. No parent to reuse.
+    client = anthropic.Anthropic(api_key="k", base_url=proxy.url,
+                                 default_headers={"x-claude-code-session-id": conv.session_hint or ""})
+    client.messages.create(model=vllm_server.model, max_tokens=8, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": "Summary: two tests failed."},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Continue."},
+    ])  # fmt: skip
+    steps = sorted(documents(proxy, factory), key=lambda s: s.seq)
+    assert [s.tokens.prompt_path for s in steps] == ["rendered", "tito", "rendered"]
+    assert steps[2].parent_step_id is None and steps[2].session_id == steps[0].session_id
+
+
+def test_path_off_renders_every_call(start_proxy, vllm_server, factory) -> None:
+    proxy = start_proxy([vllm_server.base_url], tito=False)
+    traffic.hermes(proxy.v1, vllm_server.model, turns=2)
+    steps = documents(proxy, factory)
+    assert sorted(s.tokens.prompt_path for s in steps) == ["rendered", "rendered"]
+
+
+def test_tito_steps_carry_the_versions_the_engine_reports(start_proxy, vllm_server, factory) -> None:
+    # The engine is tagged behind the proxy's back (same weights, a new label): the rendered first
+    # step carries the proxy's version, the tito continuation the engine's own spans.
+    proxy = start_proxy([vllm_server.base_url])
+    assert proxy.versions.ready.wait(60)  # its start-up tags the engine with the proxy's version first
+    with httpx.Client(base_url=vllm_server.base_url, timeout=60) as engine:
+        engine.post("/update_weight_version", json={"new_version": "engine-tag"}).raise_for_status()
+        try:
+            traffic.hermes(proxy.v1, vllm_server.model, turns=2)
+        finally:  # the server is shared: back to vLLM's own label for untagged weights
+            engine.post("/update_weight_version", json={"new_version": "default"}).raise_for_status()
+    first, second = sorted(documents(proxy, factory), key=lambda s: s.seq)
+    assert second.tokens.prompt_path == "tito"
+    assert [(r.version, r.count) for r in second.tokens.output_versions] == [
+        ("engine-tag", len(second.tokens.output_token_ids))]
+    assert {r.version for r in first.tokens.output_versions} == {proxy.state.pool.replicas[0].version}
