@@ -46,7 +46,7 @@ def run_proxy(engine_url: str, model: str, *, tito: bool, conversations: int, tu
     try:
         with tempfile.TemporaryDirectory() as home:
             settings = Settings(home=Path(home), database_url=url, upstream_urls=[engine_url], open_mode=True,
-                                secret=b"bench", port=free_port(), tito=tito, writer_mode="thread")
+                                secret=b"bench", port=free_port(), tito=tito, tito_stream=tito, writer_mode="thread")
             app = create_app(settings, redactor=Redactor(RedactionConfig(salt=b"bench")))
             server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
             threading.Thread(target=server.run, daemon=True).start()

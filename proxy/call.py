@@ -235,7 +235,8 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
 def _tito_parent(call: Call, path: str, body: dict[str, Any]) -> list[int] | None:
     """The parent's prompt+output ids when this call may take the token-in-token-out path, else None."""
     parent = call.continuation.parent
-    if (not call.state.settings.tito or path != "/v1/chat/completions" or parent is None or not parent.step_id
+    on = call.state.settings.tito and (call.state.settings.tito_stream or not body.get("stream"))
+    if (not on or path != "/v1/chat/completions" or parent is None or not parent.step_id
             or body.get("n", 1) not in (1, None) or "continue_final_message" in body
             or "add_generation_prompt" in body):
         return None

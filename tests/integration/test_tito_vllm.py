@@ -31,7 +31,7 @@ def documents(proxy, factory) -> list:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("door", ["chat", "messages", "responses"])
 def test_continuations_reuse_the_exact_prefix(start_proxy, vllm_server, factory, door: str, stream: bool) -> None:
-    proxy = start_proxy([vllm_server.base_url])
+    proxy = start_proxy([vllm_server.base_url], tito_stream=stream)
     model = vllm_server.model
     if door == "chat":
         traffic.hermes(proxy.v1, model, stream=stream)
