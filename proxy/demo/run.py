@@ -223,7 +223,8 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         wait_until("vLLM", lambda: _healthy(vllm.base_url + "/health"), timeout=cfg.start_timeout_s, procs=procs,
                    alive=("vllm", "proxy"))
         timings["vllm_ready"] = time.monotonic() - t
-        version = wait_until("the proxy", lambda: serving_version(proxy_url, admin_key), timeout=120.0,
+        version = wait_until("the proxy", lambda: serving_version(proxy_url, admin_key),
+                             timeout=max(120.0, cfg.start_timeout_s / 3),
                              procs=procs, alive=("vllm", "proxy"))
         timings["proxy_ready"] = time.monotonic() - t
         board.note(f"vLLM ({SERVED[cfg.model]}) and the proxy are up in {timings['proxy_ready']:.0f} s; "
@@ -405,7 +406,7 @@ def cmd_demo(args) -> int:
         model=args.model, rounds=args.rounds, sessions_per_round=args.sessions_per_round, group_size=args.group_size,
         concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr,
         ppo_epochs=args.ppo_epochs, lora_r=args.lora_r, seed=args.seed, home=home,
-        heldout_tasks=args.heldout_tasks, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, vllm_python=args.vllm_python or settings.vllm_python,
+        heldout_tasks=args.heldout_tasks, start_timeout_s=args.start_timeout, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, vllm_python=args.vllm_python or settings.vllm_python,
     )
 
     def terminate(signum, frame):  # SIGTERM cleans up like Ctrl-C
@@ -436,6 +437,8 @@ def register(sub) -> None:
     p.add_argument("--eval-holdout", type=float, default=d.eval_holdout,
                    help="share of sessions held out from the trainer for the gates (0 to 0.5)")
     p.add_argument("--eval-max-cases", type=int, default=d.eval_max_cases, help="cases replayed per candidate")
+    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s,
+                   help="seconds to wait for vLLM to start (a loaded machine needs more)")
     p.add_argument("--home", help="the demo's home (default $ATDP_HOME, else ~/.local/share/atdp/demo)")
     p.add_argument("--vllm-python", help="python of the vLLM environment (default: scripts/vllm_env.sh's)")
     p.add_argument("--psql", nargs="?", const="", metavar="SQL",
