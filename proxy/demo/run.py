@@ -231,7 +231,7 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
                    f"serving {version}; logs in {out}")
         set_policy(proxy_url, admin_key, TENANT, {"eval_holdout": cfg.eval_holdout})
         board.note(f"gates: {cfg.eval_cases} suite cases + held-out sessions ({cfg.eval_holdout:.0%} of each round's, "
-                   f"never trained on), scored by the reward rule; at most {cfg.eval_max_cases} cases per candidate")
+                   f"never trained on), scored per step by the task rule; at most {cfg.eval_max_cases} cases per candidate")
         gate_rounds: list[GateRound] = []
         heldout = split_tasks("heldout", cfg.heldout_tasks)
 
