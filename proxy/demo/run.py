@@ -244,6 +244,8 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
                                           concurrency=cfg.concurrency))
                 board.heldout(name, ev, greedy=greedy)
             timings[key] = time.monotonic() - t
+            # Rewritten after every evaluation, so a run stopped early keeps what it measured.
+            write_results(out / "demo-results.json", cfg, list(board.versions.values()), timings)
 
         evaluate_serving(version, "heldout_base")
 
