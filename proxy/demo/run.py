@@ -131,6 +131,9 @@ def trainer_command(cfg: DemoConfig, python: str, proxy_url: str, min_steps: int
         # fp32 checkpoints: every round's trainer starts from the last one, and a bf16 round trip
         # would round away updates smaller than bf16's step (most of them, at these learning rates).
         "--save-dtype", "fp32",
+        # Small micro-batches: the logits of 8,192 tokens over SmolLM2's 49k vocabulary and their
+        # gradients took ~10 GB, and the kernel's OOM killer ended the trainer on a shared machine.
+        "--micro-batch-tokens", "2048",
     ]  # fmt: skip
 
 
