@@ -179,12 +179,15 @@ def version_table(rows: list[VersionStats], *, live: bool = False):
     return table
 
 
+# One row per session (its first step's version): a two-turn attempt has two steps but one reward.
 SQL_REWARD_PER_VERSION = """\
-SELECT st.model_version AS version, count(*) AS sessions, avg(f.reward) AS mean_reward
-FROM steps st
-JOIN feedback f ON f.session_id = st.session_id AND f.step_id IS NULL AND f.reward IS NOT NULL
-GROUP BY st.model_version
-ORDER BY min(st.started_at)"""
+SELECT x.version, count(*) AS sessions, avg(x.reward) AS mean_reward
+FROM (SELECT DISTINCT ON (st.session_id) st.model_version AS version, f.reward, st.started_at
+      FROM steps st
+      JOIN feedback f ON f.session_id = st.session_id AND f.step_id IS NULL AND f.reward IS NOT NULL
+      ORDER BY st.session_id, st.started_at) x
+GROUP BY x.version
+ORDER BY min(x.started_at)"""
 
 
 SQL_SAMPLES_VIEWS = """\
