@@ -69,7 +69,7 @@ SERVED = {"smollm2": "smollm2", "tiny": "tiny"}
 @dataclass
 class DemoConfig:
     model: str = "smollm2"  # smollm2 | tiny (tests)
-    rounds: int = 6  # trainer updates; rounds + 1 versions are measured
+    rounds: int = 2  # trainer updates; rounds + 1 versions are measured (2: the run in docs/demo.md)
     sessions_per_round: int = 64
     group_size: int = 8  # attempts per task prompt (a GRPO group)
     concurrency: int = 12
