@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's first command: from a fresh clone to a learning agent on this machine (CPU is enough).
 #
-#   scripts/demo.sh                 # SmolLM2-135M-Instruct, 10 updates, about 8-10 minutes on 2 cores
+#   scripts/demo.sh                 # SmolLM2-135M-Instruct learns a lookup-tool task: 2 updates, ~12 min on 2 cores
 #   scripts/demo.sh --rounds 3      # arguments pass through to `atdp demo` (see --help)
 #   scripts/demo.sh --psql          # psql on what the last demo captured
 #

@@ -7,30 +7,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.demo.agent import Evaluation
 from proxy.demo.home import libpq_url, psql_path
+from proxy.demo.skill import wilson
 
 
 @dataclass
 class VersionStats:
+    """One version: the training sessions it served (sampled, through the proxy) and its held-out
+    evaluation (greedy, straight against vLLM)."""
+
     name: str
     sessions: int = 0
     errors: int = 0
     rewards: list[float] = field(default_factory=list)
-    bare: int = 0
-    correct: int = 0
-    words: int = 0
+    valid: int = 0  # turn 1 held a well-formed lookup(...) call
+    right: int = 0  # ...naming the task's item
+    solved: int = 0
     last_reply: str = ""
+    heldout: Evaluation | None = None  # sampled at the demo's temperature, fixed seeds (the headline)
+    heldout_greedy: Evaluation | None = None
 
     def add(self, attempt) -> None:
-        if attempt.score is None:
+        if attempt.outcome is None:
             self.errors += 1
             return
         self.sessions += 1
-        self.rewards.append(attempt.score.reward)
-        self.bare += attempt.score.bare_number
-        self.correct += attempt.score.correct
-        self.words += attempt.score.words
-        self.last_reply = attempt.reply
+        self.rewards.append(attempt.outcome.reward)
+        self.valid += attempt.outcome.valid_call
+        self.right += attempt.outcome.right_item
+        self.solved += attempt.outcome.solved
+        self.last_reply = attempt.call_reply + (" | " + attempt.answer if attempt.answer is not None else "")
 
     @property
     def mean(self) -> float:
@@ -43,6 +50,22 @@ class VersionStats:
             return 0.0
         m = self.mean
         return (sum((x - m) ** 2 for x in self.rewards) / (n - 1) / n) ** 0.5
+
+    def heldout_dict(self, greedy: bool = False) -> dict[str, Any] | None:
+        h = self.heldout_greedy if greedy else self.heldout
+        if h is None:
+            return None
+        lo, hi = wilson(h.solved, h.tasks)
+        return {"tasks": h.tasks, "solved": h.solved, "success": h.solved / h.tasks if h.tasks else None,
+                "ci95": [lo, hi], "valid_calls": h.valid_calls, "tool_call_validity": h.valid_calls / max(h.tasks, 1),
+                "right_item": h.right_items, "errors": h.errors, "seconds": round(h.seconds, 1)}
+
+    def as_dict(self) -> dict[str, Any]:
+        n = max(self.sessions, 1)
+        return {"version": self.name, "sessions": self.sessions, "training_reward": self.mean if self.rewards else None,
+                "training_reward_stderr": self.stderr, "training_tool_call_validity": self.valid / n,
+                "training_right_item": self.right / n, "training_solved": self.solved / n, "heldout": self.heldout_dict(),
+                "heldout_greedy": self.heldout_dict(greedy=True)}
 
 
 @dataclass
@@ -100,9 +123,20 @@ class Board:
     def round_done(self, version: str) -> None:
         st = self.versions.get(version)
         if st is not None:
-            self.note(f"{version}: {st.sessions} sessions, mean reward {st.mean:.3f}, "
-                      f"bare numbers {st.bare}/{st.sessions}, mean words {st.words / max(st.sessions, 1):.1f}"
+            self.note(f"{version}: {st.sessions} training sessions, reward {st.mean:.3f}, "
+                      f"valid tool calls {st.valid}/{st.sessions}, right item {st.right}/{st.sessions}"
                       + (f", {st.errors} failed" if st.errors else ""))
+
+    def heldout(self, version: str, ev: Evaluation, *, greedy: bool = False) -> None:
+        st = self.versions.setdefault(version, VersionStats(version))
+        if greedy:
+            st.heldout_greedy = ev
+        else:
+            st.heldout = ev
+        lo, hi = wilson(ev.solved, ev.tasks)
+        self.note(f"{version} held-out{' (greedy)' if greedy else ''}: solved {ev.solved}/{ev.tasks} ({ev.solved / max(ev.tasks, 1):.0%}, 95% "
+                  f"[{lo:.0%}, {hi:.0%}]), valid tool calls {ev.valid_calls}/{ev.tasks}, {ev.seconds:.0f} s"
+                  + (f", {ev.errors} failed" if ev.errors else ""))
 
     def close(self) -> None:
         if self.live is not None:
@@ -124,27 +158,36 @@ def version_table(rows: list[VersionStats], *, live: bool = False):
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=None if live else "reward per version", show_edge=not live)
-    for col in ("version", "sessions", "mean reward", "bare number", "correct", "mean words"):
+    table = Table(title=None if live else "per version: training reward and held-out success", show_edge=not live)
+    for col in ("version", "sessions", "training reward", "valid calls", "held-out solved", "95% interval",
+                "held-out valid calls", "held-out greedy"):
         table.add_column(col, justify="left" if col == "version" else "right")
     if live:
-        table.add_column("last reply", overflow="ellipsis", no_wrap=True, max_width=40)
+        table.add_column("last attempt", overflow="ellipsis", no_wrap=True, max_width=40)
     for st in rows:
         n = max(st.sessions, 1)
-        cells = [st.name, str(st.sessions), f"{st.mean:.3f} ± {st.stderr:.3f}", f"{100 * st.bare / n:.0f}%",
-                 f"{100 * st.correct / n:.0f}%", f"{st.words / n:.1f}"]
+        h = st.heldout_dict()
+        cells = [st.name, str(st.sessions), f"{st.mean:.3f} ± {st.stderr:.3f}" if st.rewards else "-",
+                 f"{100 * st.valid / n:.0f}%" if st.sessions else "-",
+                 f"{h['solved']}/{h['tasks']} ({100 * h['success']:.0f}%)" if h else "-",
+                 f"[{100 * h['ci95'][0]:.0f}%, {100 * h['ci95'][1]:.0f}%]" if h else "-",
+                 f"{100 * h['tool_call_validity']:.0f}%" if h else "-",
+                 f"{st.heldout_greedy.solved}/{st.heldout_greedy.tasks}" if st.heldout_greedy else "-"]
         if live:
             cells.append(escape(repr(st.last_reply[:60])))
         table.add_row(*cells)
     return table
 
 
+# One row per session (its first step's version): a two-turn attempt has two steps but one reward.
 SQL_REWARD_PER_VERSION = """\
-SELECT st.model_version AS version, count(*) AS sessions, avg(f.reward) AS mean_reward
-FROM steps st
-JOIN feedback f ON f.session_id = st.session_id AND f.step_id IS NULL AND f.reward IS NOT NULL
-GROUP BY st.model_version
-ORDER BY min(st.started_at)"""
+SELECT x.version, count(*) AS sessions, avg(x.reward) AS mean_reward
+FROM (SELECT DISTINCT ON (st.session_id) st.model_version AS version, f.reward, st.started_at
+      FROM steps st
+      JOIN feedback f ON f.session_id = st.session_id AND f.step_id IS NULL AND f.reward IS NOT NULL
+      ORDER BY st.session_id, st.started_at) x
+GROUP BY x.version
+ORDER BY min(x.started_at)"""
 
 
 SQL_SAMPLES_VIEWS = """\
@@ -189,16 +232,26 @@ def plot(rows: list[VersionStats], path: Path) -> Path:
 
     xs = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.errorbar(xs, [r.mean for r in rows], yerr=[r.stderr for r in rows], marker="o", capsize=4,
-                label="mean reward (± s.e.)")
-    ax.plot(xs, [r.bare / max(r.sessions, 1) for r in rows], marker="s", linestyle="--",
-            label="share of bare-number replies")
+    evaluated = [(x, r.heldout_dict()) for x, r in zip(xs, rows, strict=True) if r.heldout is not None]
+    if evaluated:
+        ex = [x for x, _ in evaluated]
+        ys = [h["success"] for _, h in evaluated]
+        err = [[y - h["ci95"][0] for y, (_, h) in zip(ys, evaluated, strict=True)],
+               [h["ci95"][1] - y for y, (_, h) in zip(ys, evaluated, strict=True)]]
+        ax.errorbar(ex, ys, yerr=err, marker="o", capsize=4, label="held-out success, sampled (95% Wilson interval)")
+    greedy = [(x, r.heldout_dict(greedy=True)) for x, r in zip(xs, rows, strict=True) if r.heldout_greedy is not None]
+    if greedy:
+        ax.plot([x for x, _ in greedy], [h["success"] for _, h in greedy], marker="^", linestyle=":",
+                label="held-out success, greedy")
+    trained = [(x, r) for x, r in zip(xs, rows, strict=True) if r.rewards]
+    ax.errorbar([x for x, _ in trained], [r.mean for _, r in trained], yerr=[r.stderr for _, r in trained],
+                marker="s", linestyle="--", capsize=3, label="training reward (sampled, ± s.e.)")
     ax.set_xticks(xs, [r.name for r in rows])
     ax.set_xlabel("model version (each one trainer update)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("atdp demo: reward per version")
+    ax.set_title("atdp demo: lookup-tool task, held-out success per version")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    ax.legend(loc="lower right")  # the greedy line runs along the top
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -9,10 +9,12 @@ The trainer never sees the evaluation set:
   same family, none of them a task of any round (the rounds' tasks are known in advance), never sent
   through the proxy.
 
-Both are scored by the demo's reward rule (proxy.demo.agent.score) as a replay-gate evaluator,
-`proxy.demo.gates:score`, with the engine's finish reason standing for "cut at max_tokens". The gate
-replays greedily (temperature 0), so it measures the versions' greedy answers, not the sampled ones
-the live rewards come from.
+Both are scored per step by the task's own correctness rule (proxy.demo.skill) as a replay-gate
+evaluator, `proxy.demo.gates:score`: a turn-1 step (the question) scores 1 if the reply calls
+lookup(...) on the task's item, a turn-2 step (the tool's result came back) scores 1 if the reply
+reports the code; everything else 0. The gate replays greedily (temperature 0), so it measures the
+versions' greedy answers, not the sampled ones the live rewards come from. (The per-version held-out
+success that the demo reports is a separate, whole-attempt evaluation: proxy.demo.agent.evaluate.)
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.demo.agent import Task, make_tasks
-from proxy.demo.agent import score as reward_rule
+from proxy.demo.skill import Task, make_tasks, parse_call, reports_code, tool_result
 from proxy.evaluation.cases import Answer, EvalCase
 
 EVALUATOR = "proxy.demo.gates:score"
@@ -34,12 +35,24 @@ EVAL_ROUND = 900  # the suite's tasks: round numbers the rounds never reach
 
 
 def score(case: EvalCase, answer: Answer) -> float:
-    """The demo's reward rule on a replayed answer; `expected` is `{"answer": A + B}`."""
+    """One replayed step of a lookup task; `expected` is `{"item": str, "code": int}`. A step whose
+    last message is the tool's result is turn 2 (report the code), any other is turn 1 (call the tool)."""
     expected = case.expected
-    if not isinstance(expected, dict) or not isinstance(expected.get("answer"), int):
-        raise ValueError(f"case {case.id}: expected must be {{'answer': int}}")
-    task = Task(id=case.id, prompt="", answer=expected["answer"])
-    return reward_rule(task, answer.text, truncated=answer.finish_reason == "length").reward
+    if not isinstance(expected, dict) or not isinstance(expected.get("item"), str) \
+            or not isinstance(expected.get("code"), int):
+        raise ValueError(f"case {case.id}: expected must be {{'item': str, 'code': int}}")
+    messages = case.request.get("messages") or []
+    last = messages[-1] if messages else {}
+    if last.get("role") == "user" and str(last.get("content") or "").startswith("lookup("):
+        return float(reports_code(answer.text, expected["code"], truncated=answer.finish_reason == "length"))
+    return float(parse_call(answer.text) == expected["item"])
+
+
+def _turns(task: Task) -> list[list[dict[str, str]]]:
+    """The two steps of a solved attempt at the task: the question, and the tool's result after the call."""
+    call = f'lookup("{task.item}")'
+    return [task.messages(), [*task.messages(), {"role": "assistant", "content": call},
+                              {"role": "user", "content": tool_result(task.item)}]]
 
 
 @dataclass
@@ -50,13 +63,15 @@ class EvalSuite:
     cases: list[Task]
     max_tokens: int
     rules: list[Task] = field(default_factory=list)
+    n_cases: int = 0
 
     @classmethod
     def create(cls, folder: Path, *, n_cases: int, seed: int, max_tokens: int, exclude: Iterable[Task] = ()) -> EvalSuite:
-        """`n_cases` additions, none with the prompt of a task in `exclude` (the rounds' tasks)."""
-        taken = {task.prompt for task in exclude}
-        pool = [task for task in make_tasks(400, seed=seed, round_no=EVAL_ROUND) if task.prompt not in taken]
-        suite = cls(folder, pool[:n_cases], max_tokens)
+        """`n_cases` steps (both turns of (n_cases + 1) // 2 training-split items), none of them an item
+        of a task in `exclude` (the rounds' tasks)."""
+        taken = {task.item for task in exclude}
+        pool = [task for task in make_tasks(400, seed=seed, round_no=EVAL_ROUND) if task.item not in taken]
+        suite = cls(folder, pool[:(n_cases + 1) // 2], max_tokens, n_cases=n_cases)
         suite.write()
         return suite
 
@@ -65,9 +80,11 @@ class EvalSuite:
         self.write()
 
     def write(self) -> None:
-        lines = [{"id": task.id, "messages": [{"role": "user", "content": task.prompt}], "evaluator": EVALUATOR,
-                  "expected": {"answer": task.answer}, "max_tokens": self.max_tokens} for task in self.cases]
-        lines += [{"task": task.id, "evaluator": EVALUATOR, "expected": {"answer": task.answer}} for task in self.rules]
+        lines = [{"id": f"{task.id}-t{turn + 1}", "messages": messages, "evaluator": EVALUATOR,
+                  "expected": {"item": task.item, "code": task.code}, "max_tokens": self.max_tokens}
+                 for task in self.cases for turn, messages in enumerate(_turns(task))][:self.n_cases]
+        lines += [{"task": task.id, "evaluator": EVALUATOR, "expected": {"item": task.item, "code": task.code}}
+                  for task in self.rules]
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / (SUITE + ".tmp")  # not *.jsonl: never read half-written
         tmp.write_text("".join(json.dumps(x) + "\n" for x in lines))

@@ -5,12 +5,17 @@
                  demo agent (openai SDK) |  POST /atdp/v1/versions (swap)
                  + reward rule -> feedback   trainer (atdp train --once, one per round)
 
-Each round: the agent works `sessions_per_round` sessions through the proxy (temperature 1), scores
-every answer with the rule in `proxy.demo_agent` and posts it as the session's reward; then one
-trainer update runs on exactly those rewarded steps, writes a checkpoint and asks the proxy to swap
-it into vLLM. Every candidate goes through the control plane's gates before it may serve
-(proxy.demo.gates: a held-out share of the sessions and an operator suite, scored by the same reward
-rule, replayed greedily under the serving and the candidate weights; safety counts on the same
+The task (proxy.demo.skill): answer "What is the code of ITEM?" by calling a lookup tool and
+reporting its result; the reward is 1 for a right final answer, else 0. Before any training and after
+every swap, the serving version is evaluated on a fixed held-out task set (greedy, straight against
+vLLM, never recorded, never trained on): held-out success with its 95% interval and tool-call
+validity, next to the training reward (demo-results.json, the table, the PNG).
+
+Each round: the agent works `sessions_per_round` two-turn sessions through the proxy (temperature 1),
+scores every attempt and posts it as the session's reward; then one trainer update runs on exactly
+those rewarded steps, writes a checkpoint and asks the proxy to swap it into vLLM. Every candidate goes through the control plane's gates before it may serve
+(proxy.demo.gates: a held-out share of the sessions and an operator suite, scored per step by the
+task's rule, replayed greedily under the serving and the candidate weights; safety counts on the same
 answers); a rejected one never serves and the next round trains from the serving version again.
 After the last update one more round measures the final version. The end: a reward-per-version
 table, each candidate's gates, the card of the last promoted version (ATDP_HOME/demo/card.md), a PNG
@@ -64,11 +69,12 @@ SERVED = {"smollm2": "smollm2", "tiny": "tiny"}
 @dataclass
 class DemoConfig:
     model: str = "smollm2"  # smollm2 | tiny (tests)
-    rounds: int = 10  # trainer updates; rounds + 1 versions are measured
-    sessions_per_round: int = 48
+    rounds: int = 2  # trainer updates; rounds + 1 versions are measured (2: the run in docs/demo.md)
+    sessions_per_round: int = 64
     group_size: int = 8  # attempts per task prompt (a GRPO group)
     concurrency: int = 12
-    max_tokens: int = 24
+    max_tokens: int = 16  # per turn: a call or a code is 5-8 tokens
+    heldout_tasks: int = 96  # the held-out evaluation (proxy.demo.skill's `heldout` split)
     temperature: float = 1.0
     # One optimizer step per round from a fresh AdamW (each round's trainer is a new process): its
     # first step moves every weight by about lr, so lr is higher than a long-running trainer's.
@@ -125,6 +131,9 @@ def trainer_command(cfg: DemoConfig, python: str, proxy_url: str, min_steps: int
         # fp32 checkpoints: every round's trainer starts from the last one, and a bf16 round trip
         # would round away updates smaller than bf16's step (most of them, at these learning rates).
         "--save-dtype", "fp32",
+        # Small micro-batches: the logits of 8,192 tokens over SmolLM2's 49k vocabulary and their
+        # gradients took ~10 GB, and the kernel's OOM killer ended the trainer on a shared machine.
+        "--micro-batch-tokens", "2048",
     ]  # fmt: skip
 
 
@@ -166,7 +175,8 @@ def rewards_by_version(url: str) -> list[dict[str, Any]]:
 def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
     import asyncio
 
-    from proxy.demo.agent import AgentConfig, make_tasks, run_round
+    from proxy.demo.agent import AgentConfig, evaluate, run_round
+    from proxy.demo.skill import make_tasks, split_tasks
     from proxy.demo.vllm import VLLMServer, find_vllm_python, free_port
 
     board = board or Board()
@@ -216,15 +226,31 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         wait_until("vLLM", lambda: _healthy(vllm.base_url + "/health"), timeout=cfg.start_timeout_s, procs=procs,
                    alive=("vllm", "proxy"))
         timings["vllm_ready"] = time.monotonic() - t
-        version = wait_until("the proxy", lambda: serving_version(proxy_url, admin_key), timeout=120.0,
+        version = wait_until("the proxy", lambda: serving_version(proxy_url, admin_key),
+                             timeout=max(120.0, cfg.start_timeout_s / 3),
                              procs=procs, alive=("vllm", "proxy"))
         timings["proxy_ready"] = time.monotonic() - t
         board.note(f"vLLM ({SERVED[cfg.model]}) and the proxy are up in {timings['proxy_ready']:.0f} s; "
                    f"serving {version}; logs in {out}")
         set_policy(proxy_url, admin_key, TENANT, {"eval_holdout": cfg.eval_holdout})
         board.note(f"gates: {cfg.eval_cases} suite cases + held-out sessions ({cfg.eval_holdout:.0%} of each round's, "
-                   f"never trained on), scored by the reward rule; at most {cfg.eval_max_cases} cases per candidate")
+                   f"never trained on), scored per step by the task rule; at most {cfg.eval_max_cases} cases per candidate")
         gate_rounds: list[GateRound] = []
+        heldout = split_tasks("heldout", cfg.heldout_tasks)
+
+        def evaluate_serving(name: str, key: str) -> None:
+            board.phase(f"held-out evaluation of {name}: {len(heldout)} tasks, sampled (fixed seeds) and greedy")
+            t = time.monotonic()
+            for greedy in (False, True):
+                ev = asyncio.run(evaluate(vllm.base_url + "/v1", SERVED[cfg.model], heldout,
+                                          max_tokens=cfg.max_tokens, temperature=0.0 if greedy else cfg.temperature,
+                                          concurrency=cfg.concurrency))
+                board.heldout(name, ev, greedy=greedy)
+            timings[key] = time.monotonic() - t
+            # Rewritten after every evaluation, so a run stopped early keeps what it measured.
+            write_results(out / "demo-results.json", cfg, list(board.versions.values()), timings)
+
+        evaluate_serving(version, "heldout_base")
 
         agent = AgentConfig(proxy_url=proxy_url, model=SERVED[cfg.model], attempts_per_task=cfg.group_size,
                             concurrency=cfg.concurrency, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
@@ -275,7 +301,10 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
                     board.note(f"  {gate_rounds[-1].version} {line}")
                 if gate_rounds[-1].seconds is not None:
                     timings[f"round{round_no}_gates"] = gate_rounds[-1].seconds
-            version = serving_version(proxy_url, admin_key) or version
+            new_version = serving_version(proxy_url, admin_key) or version
+            if new_version != version:  # a rejected candidate never served: nothing new to evaluate
+                evaluate_serving(new_version, f"round{round_no}_heldout")
+            version = new_version
 
         board.phase("done: reading the store")
         stored = rewards_by_version(url)
@@ -293,11 +322,10 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         board.console.print(card_md, markup=False, soft_wrap=True)
         board.console.print("card fields filled from this run: " + ", ".join(f"{k} {'yes' if v else 'NO'}"
                             for k, v in filled.items()), markup=False, soft_wrap=True)
+        write_results(out / "demo-results.json", cfg, rows, timings)
         (out / "summary.json").write_text(json.dumps({
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
-            "versions": [{"version": r.name, "sessions": r.sessions, "mean_reward": r.mean, "stderr": r.stderr,
-                          "bare": r.bare, "correct": r.correct, "mean_words": r.words / max(r.sessions, 1)}
-                         for r in rows],
+            "versions": [{**r.as_dict(), "mean_reward": r.mean} for r in rows],
             "stored": [{k: (float(v) if k == "mean_reward" else v) for k, v in r.items()} for r in stored],
             "swaps": [s.__dict__ for s in board.swaps],
             "gates": [g.as_dict() for g in gate_rounds],
@@ -325,6 +353,30 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
     if status == 130:
         board.note("stopped")
     return status
+
+
+def write_results(path: Path, cfg: DemoConfig, rows: list, timings: dict[str, float]) -> None:
+    """demo-results.json: per version its training reward, held-out success with its 95% interval
+    and tool-call validity; the best version's rise over the base and whether the intervals overlap."""
+    versions = [r.as_dict() for r in rows]
+    scored = [v for v in versions if v["heldout"] is not None]
+    base = scored[0] if scored else None
+    best = max(scored[1:], key=lambda v: v["heldout"]["success"], default=None)
+    gain = None
+    if base is not None and best is not None:
+        b, h = base["heldout"], best["heldout"]
+        gain = {"base": base["version"], "best": best["version"], "points": round(100 * (h["success"] - b["success"]), 1),
+                "intervals_overlap": h["ci95"][0] <= b["ci95"][1]}
+    path.write_text(json.dumps({
+        "task": "lookup tool: call lookup(ITEM), then report the code (proxy.demo.skill)",
+        "heldout": {"split": "heldout", "tasks": cfg.heldout_tasks, "sampling": f"temperature {cfg.temperature}, task i with seed i (greedy too: heldout_greedy)",
+                    "max_tokens_per_turn": cfg.max_tokens, "interval": "Wilson 95%"},
+        "settings": {k: getattr(cfg, k) for k in ("rounds", "sessions_per_round", "group_size", "temperature",
+                                                  "max_tokens", "lr", "ppo_epochs", "lora_r", "seed")},
+        "versions": versions,
+        "gain": gain,
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }, indent=1) + "\n")
 
 
 def _healthy(url: str) -> bool:
@@ -359,7 +411,7 @@ def cmd_demo(args) -> int:
         model=args.model, rounds=args.rounds, sessions_per_round=args.sessions_per_round, group_size=args.group_size,
         concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr,
         ppo_epochs=args.ppo_epochs, lora_r=args.lora_r, seed=args.seed, home=home,
-        eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, vllm_python=args.vllm_python or settings.vllm_python,
+        heldout_tasks=args.heldout_tasks, start_timeout_s=args.start_timeout, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, vllm_python=args.vllm_python or settings.vllm_python,
     )
 
     def terminate(signum, frame):  # SIGTERM cleans up like Ctrl-C
@@ -384,10 +436,14 @@ def register(sub) -> None:
     p.add_argument("--ppo-epochs", type=int, default=d.ppo_epochs)
     p.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank (0: full fine-tuning)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--heldout-tasks", type=int, default=d.heldout_tasks,
+                   help="tasks in the per-version held-out evaluation (at most 96)")
     p.add_argument("--eval-cases", type=int, default=d.eval_cases, help="the gates' operator-suite cases")
     p.add_argument("--eval-holdout", type=float, default=d.eval_holdout,
                    help="share of sessions held out from the trainer for the gates (0 to 0.5)")
     p.add_argument("--eval-max-cases", type=int, default=d.eval_max_cases, help="cases replayed per candidate")
+    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s,
+                   help="seconds to wait for vLLM to start (a loaded machine needs more)")
     p.add_argument("--home", help="the demo's home (default $ATDP_HOME, else ~/.local/share/atdp/demo)")
     p.add_argument("--vllm-python", help="python of the vLLM environment (default: scripts/vllm_env.sh's)")
     p.add_argument("--psql", nargs="?", const="", metavar="SQL",

@@ -16,8 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from proxy.demo.agent import BREVITY_WORDS, WRONG_NUMBER, Task, make_tasks, score
 from proxy.demo.home import MARKER, prepare_home
+from proxy.demo.skill import (
+    SPLITS,
+    TABLE,
+    Task,
+    make_tasks,
+    outcome,
+    parse_call,
+    split_tasks,
+    tool_result,
+    wilson,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,64 +35,85 @@ ROOT = Path(__file__).resolve().parents[2]
 # --- tasks and reward ----------------------------------------------------------------------------
 
 
-def test_tasks_are_deterministic_distinct_and_grouped_by_round():
+def test_splits_are_disjoint_and_tasks_deterministic():
+    assert not set(SPLITS["heldout"]) & set(SPLITS["train"]) and not set(SPLITS["dev"]) & set(SPLITS["train"])
+    assert not set(SPLITS["heldout"]) & set(SPLITS["dev"])
+    assert len(SPLITS["heldout"]) == 96 and len(SPLITS["train"]) > 1000
     a = make_tasks(8, seed=0, round_no=1)
     assert a == make_tasks(8, seed=0, round_no=1)
     assert a != make_tasks(8, seed=0, round_no=2)
-    assert len({t.id for t in a}) == 8
-    for t in a:
-        x, y = (int(v) for v in t.id.rsplit("-", 1)[1].split("+"))
-        assert 1 <= x <= 20 and 1 <= y <= 20
-        assert t.answer == x + y
-        assert t.prompt == f"What is {x} + {y}? Reply with only the number."
-        assert t.id.startswith("demo-r01-")
+    assert len({t.id for t in a}) == 8 and all(t.id.startswith("demo-r01-") for t in a)
+    assert all(t.item in SPLITS["train"] and t.code == TABLE[t.item] for t in a)
+    held = split_tasks("heldout", 64)
+    assert held == split_tasks("heldout", 64) and {t.item for t in held} <= set(SPLITS["heldout"])
+    # The codes are spread out: guessing one is not a strategy.
+    assert len(set(TABLE.values())) > 500
 
 
-def test_reward_rule():
-    task = Task(id="t", prompt="What is 12 + 7? Reply with only the number.", answer=19)
+def test_correctness_is_the_only_reward():
+    task = Task(id="t", item="tarimo", code=583)
+    call = 'lookup("tarimo")'
 
-    def r(reply: str, truncated: bool = False) -> float:
-        return score(task, reply, truncated=truncated).reward
+    def solved(first: str, second: str | None, truncated: bool = False) -> float:
+        return outcome(task, first, second, truncated=truncated).reward
 
-    assert r("19") == 1.0
-    assert r(" 19.\n") == 1.0
-    assert r("20") == WRONG_NUMBER
-    assert score(task, "20", truncated=False).bare_number and not score(task, "20", truncated=False).correct
-    assert r("19", truncated=True) == 0.0  # cut by max_tokens: the model was still talking
-    # Not a bare number: brevity only, always below any bare number.
-    assert r("The answer is 19.") == pytest.approx(0.5 * (1 - 4 / BREVITY_WORDS))
-    assert r("12 + 7 = 19") == pytest.approx(0.5 * (1 - 5 / BREVITY_WORDS))
-    assert r(" ".join(["word"] * BREVITY_WORDS)) == 0.0
-    assert r("") == 0.5  # an empty reply is short, but never as good as a number
-    assert max(r("19 is it"), r("nineteen")) < WRONG_NUMBER
-    assert score(task, "The answer is 19.", truncated=False).words == 4
+    assert solved(call, "583") == 1.0
+    assert solved(f"Sure. {call}", "The code is 583.") == 1.0  # text around the call and the code is fine
+    assert solved("lookup('TARIMO')", "583") == 1.0
+    assert solved(call, "584") == 0.0
+    assert solved(call, "583 or 584") == 0.0  # more than one number: not a report of the result
+    assert solved(call, "583", truncated=True) == 0.0  # cut at max_tokens
+    assert solved(call, "") == 0.0
+    assert solved('lookup("tarim")', "583") == 0.0  # the wrong item: the tool could not have said 583
+    assert solved("The code is 583.", None) == 0.0  # no tool call: a guess, even a right one, scores 0
+    assert solved("", None) == 0.0
+    assert solved("lookup(tarimo", None) == 0.0
+    o = outcome(task, 'lookup("tarim")', "12")
+    assert o.valid_call and not o.right_item and not o.solved
+    assert parse_call('x lookup( "Kavo" ) y lookup("mi")') == "kavo"
+    assert tool_result("tarimo") == 'lookup("tarimo") returned: no such item. Reply with only the code.'
+    item = SPLITS["train"][0]
+    assert str(TABLE[item]) in tool_result(item)
+
+
+def test_wilson_interval():
+    lo, hi = wilson(0, 96)
+    assert lo == 0.0 and 0.03 < hi < 0.05
+    lo, hi = wilson(48, 96)
+    assert lo == pytest.approx(0.401, abs=0.002) and hi == pytest.approx(0.599, abs=0.002)
+    assert wilson(0, 0) == (0.0, 1.0)
 
 
 # --- the gates' evaluation set ---------------------------------------------------------------------
 
 
-def test_gate_suite_and_evaluator_score_replays_with_the_reward_rule(tmp_path):
+def test_gate_suite_and_evaluator_score_replays_with_the_task_rule(tmp_path):
     from proxy.demo.gates import EVALUATOR, EvalSuite
     from proxy.evaluation.cases import Answer, load_suites
     from proxy.evaluation.evaluators import Registry
 
     round_tasks = make_tasks(3, seed=0, round_no=0)
-    suite = EvalSuite.create(tmp_path, n_cases=5, seed=0, max_tokens=24, exclude=round_tasks)
+    suite = EvalSuite.create(tmp_path, n_cases=5, seed=0, max_tokens=16, exclude=round_tasks)
     suite.add_rules(round_tasks)
     loaded = load_suites(tmp_path, max_tokens=128)
     assert len(loaded.cases) == 5 and {c.tenant for c in loaded.cases} == {"demo"}
-    assert not {c.request["messages"][0]["content"] for c in loaded.cases} & {t.prompt for t in round_tasks}
-    assert all(c.request["max_tokens"] == 24 and c.evaluator == EVALUATOR for c in loaded.cases)
+    items = {c.expected["item"] for c in loaded.cases}
+    assert len(items) == 3 and not items & {t.item for t in round_tasks}
+    assert all(c.request["max_tokens"] == 16 and c.evaluator == EVALUATOR for c in loaded.cases)
     assert sorted(loaded.rules) == sorted(t.id for t in round_tasks)
     assert not list(tmp_path.glob("*.tmp"))
 
-    case = loaded.cases[0]
-    answer = case.expected["answer"]
+    first, second = loaded.cases[0], loaded.cases[1]  # both turns of one item
+    assert first.expected == second.expected
+    assert second.request["messages"][:-2] == first.request["messages"]  # then the call and its result
+    item, code = first.expected["item"], first.expected["code"]
     r = Registry()
-    assert r.score(case, Answer(f"{answer}.", finish_reason="stop")) == 1.0
-    assert r.score(case, Answer(f"{answer + 1}", finish_reason="stop")) == WRONG_NUMBER
-    assert r.score(case, Answer(f"{answer}", finish_reason="length")) == 0.0  # cut at max_tokens
-    assert r.score(case, Answer("The answer is 3.")) == pytest.approx(0.5 * (1 - 4 / BREVITY_WORDS))
+    assert r.score(first, Answer(f'lookup("{item}")', finish_reason="stop")) == 1.0
+    assert r.score(first, Answer('lookup("nobody")', finish_reason="stop")) == 0.0
+    assert r.score(first, Answer(str(code), finish_reason="stop")) == 0.0  # turn 1 needs the call
+    assert r.score(second, Answer(f"{code}.", finish_reason="stop")) == 1.0
+    assert r.score(second, Answer(f"{code}", finish_reason="length")) == 0.0  # cut at max_tokens
+    assert r.score(second, Answer(f"{code + 1}")) == 0.0
 
 
 # --- the home --------------------------------------------------------------------------------------
@@ -145,7 +176,7 @@ def _assert_all_stopped(home: Path) -> None:
 def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     home = tmp_path / "home"
     # 40% held out: the second gate draws on 16 sessions, none of them held out with odds 0.6^16.
-    proc = _demo(home, "--rounds", "2", "--eval-cases", "4", "--eval-holdout", "0.4")
+    proc = _demo(home, "--rounds", "2", "--eval-cases", "4", "--eval-holdout", "0.4", "--heldout-tasks", "16")
     try:
         out, _ = proc.communicate(timeout=900)
     finally:
@@ -179,7 +210,25 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     assert "replay [passed]" in out and "# Version v2 (serving)" in out
     png = home / "demo" / "reward_per_version.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "reward per version" in out and "atdp demo --psql" in out and "SELECT" in out
+    assert "held-out success" in out and "atdp demo --psql" in out and "SELECT" in out
+    # demo-results.json: every version (base included) was evaluated on the same held-out tasks, with
+    # its interval and tool-call validity, next to its training reward. (Whether the tiny random model
+    # learns is not the point here: the learning figures are the SmolLM2 demo's, docs/demo.md.)
+    results = json.loads((home / "demo" / "demo-results.json").read_text())
+    assert results["heldout"]["tasks"] == 16 and results["heldout"]["split"] == "heldout"
+    assert [v["version"] for v in results["versions"]] == ["base", "v1", "v2"]
+    for v in results["versions"]:
+        h = v["heldout"]
+        assert h["tasks"] == 16 and h["errors"] == 0, v
+        assert 0 <= h["solved"] <= h["valid_calls"] <= 16 and h["success"] == h["solved"] / 16
+        lo, hi = h["ci95"]
+        assert 0.0 <= lo <= h["success"] <= hi <= 1.0 and hi - lo > 0.1
+        assert h["tool_call_validity"] == h["valid_calls"] / 16
+        assert v["training_reward"] == pytest.approx(next(x["mean_reward"] for x in summary["versions"]
+                                                          if x["version"] == v["version"]))
+    assert set(results["gain"]) == {"base", "best", "points", "intervals_overlap"}
+    assert {"heldout_base", "round0_heldout", "round1_heldout"} <= set(results["timings_s"])
+    assert out.count("held-out: solved") == 3
     _assert_all_stopped(home)
 
     # What the demo printed can be run: psql on the stored demo database.
