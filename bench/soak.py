@@ -32,6 +32,9 @@ from pathlib import Path
 import httpx
 from proxy_overhead import ROOT, Conn, encode, own_postgres, start_stack
 
+RSS_LIMIT = 0.10  # the goal: RSS grows less than this after the warm-up
+P99_RATIO = 2.0  # "stable": no later window's added p99 over this multiple of the first one's
+
 DOORS = [("chat", False), ("chat", True), ("messages", False), ("messages", True), ("responses", False),
          ("responses", True)]
 
@@ -254,8 +257,12 @@ def main() -> int:
         lo, hi = k * args.window, (k + 1) * args.window
         p = [ms for t, _, _, ms, st in res.proxy if lo <= t < hi and st == 200]
         d = [ms for t, _, ms, st in res.direct if lo <= t < hi and st == 200]
+        loads = [s["load1"] for s in samples if lo <= s["t"] < hi]
         w = {"from_s": lo, "to_s": min(hi, args.duration), "calls": len(p), "proxy_p50_ms": q(p, 0.5),
-             "proxy_p99_ms": q(p, 0.99), "direct_p50_ms": q(d, 0.5), "direct_p99_ms": q(d, 0.99)}
+             "proxy_p99_ms": q(p, 0.99), "direct_p50_ms": q(d, 0.5), "direct_p99_ms": q(d, 0.99),
+             "load_mean": round(statistics.mean(loads), 1) if loads else None,
+             "load_max": round(max(loads), 1) if loads else None,
+             "incidents": [e["event"] for e in events if lo <= e["t"] < hi]}
         w["added_p99_ms"] = (w["proxy_p99_ms"] - w["direct_p99_ms"]) if p and d else None
         windows.append(w)
         k += 1
@@ -266,15 +273,20 @@ def main() -> int:
     writers = []
     for pid in dict.fromkeys(s["writer_pid"] for s in samples if s["writer_pid"]):
         own = [(s["t"], s["writer_mb"]) for s in samples if s["writer_pid"] == pid]
-        writers.append({"pid": pid, "from_t": own[0][0], "to_t": own[-1][0],
+        # Judged only when it lived a warm-up plus two windows (the one after the kill may not).
+        judged = own[-1][0] - own[0][0] >= args.warmup + 2 * args.window
+        writers.append({"pid": pid, "from_t": own[0][0], "to_t": own[-1][0], "judged": judged,
                         "rss": growth(own, own[0][0] + args.warmup, args.window)})
     lost = sorted(res.step_ids - stored)
+    criteria = judge(windows, proxy_rss, writers, args)
     summary = {
-        "duration_s": args.duration, "rate": args.rate, "proxied_calls": len(res.proxy), "statuses": statuses,
+        "duration_s": args.duration, "rate": args.rate, "warmup_s": args.warmup, "window_s": args.window,
+        "proxied_calls": len(res.proxy), "statuses": statuses,
         "connection_errors": res.errors, "answered_steps": len(res.step_ids), "steps_lost": len(lost),
         "lost_ids": lost[:20], "steps_in_database": total_steps, "writer_drain_s": round(drain_s, 1),
-        "events": events, "windows": windows, "proxy_rss": proxy_rss, "writers": writers, "rss_samples": samples,
-        "machine": {"cores": os.cpu_count()},
+        "events": events, "criteria": criteria, "windows": windows, "proxy_rss": proxy_rss, "writers": writers,
+        "rss_samples": samples, "machine": {"cores": os.cpu_count()}, "env": {k: v for k, v in os.environ.items()
+                                                                          if k.startswith(("ATDP_", "MALLOC_"))},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))
@@ -285,18 +297,62 @@ def main() -> int:
         print(f"  t={e['t']:.0f} s: {e['event']}")
     print(f"proxy RSS {proxy_rss}")
     for w in writers:
-        print(f"writer {w['pid']} (t {w['from_t']:.0f}-{w['to_t']:.0f} s) RSS {w['rss']}")
-    print("| window | calls | proxy p50 / p99 (ms) | direct p50 / p99 (ms) | added p99 (ms) |")
-    print("| --- | --- | --- | --- | --- |")
+        print(f"writer {w['pid']} (t {w['from_t']:.0f}-{w['to_t']:.0f} s) RSS {w['rss']}"
+              + ("" if w["judged"] else " (not judged: too short after its warm-up)"))
+    print("| window | calls | proxy p50 / p99 (ms) | direct p50 / p99 (ms) | added p99 (ms) | load avg (mean / max) |")
+    print("| --- | --- | --- | --- | --- | --- |")
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
     for w in windows:
-        print(f"| {w['from_s']:.0f}-{w['to_s']:.0f} s | {w['calls']} | {f(w['proxy_p50_ms'])} / {f(w['proxy_p99_ms'])} | "
-              f"{f(w['direct_p50_ms'])} / {f(w['direct_p99_ms'])} | {f(w['added_p99_ms'])} |")
+        tag = f" ({'; '.join(w['incidents'])})" if w["incidents"] else ""
+        print(f"| {w['from_s']:.0f}-{w['to_s']:.0f} s{tag} | {w['calls']} | {f(w['proxy_p50_ms'])} / "
+              f"{f(w['proxy_p99_ms'])} | {f(w['direct_p50_ms'])} / {f(w['direct_p99_ms'])} | {f(w['added_p99_ms'])} | "
+              f"{f(w['load_mean'])} / {f(w['load_max'])} |")
+    for c in criteria:
+        print(f"{'PASS' if c['pass'] else 'FAIL'}: {c['criterion']}: {c['measured']}")
     print(f"wrote {args.out}")
     return 0 if not lost else 1
+
+
+def judge(windows: list[dict], proxy_rss: dict | None, writers: list[dict], args: argparse.Namespace) -> list[dict]:
+    """The run's goals, each with what was measured: 0 steps lost is checked by the caller."""
+    out = []
+
+    def rss(name: str, g: dict | None) -> None:
+        if g is None:
+            out.append({"criterion": f"{name} RSS growth < {RSS_LIMIT:.0%}", "measured": "too few samples",
+                        "pass": False})
+            return
+        out.append({"criterion": f"{name} RSS growth < {RSS_LIMIT:.0%} (median of the first {args.window:.0f} s "
+                                 f"after a {args.warmup:.0f} s warm-up -> median of the last {args.window:.0f} s)",
+                    "measured": f"{g['from_mb']} -> {g['to_mb']} MB ({g['growth']:+.1%})",
+                    "pass": g["growth"] < RSS_LIMIT})
+
+    rss("proxy", proxy_rss)
+    for w in writers:
+        if w["judged"]:
+            rss(f"writer {w['pid']}", w["rss"])
+    # p99 stability: each later window's added p99 against the first window after the warm-up,
+    # windows with an incident (PostgreSQL restart, writer kill) shown but not judged.
+    after = [w for w in windows if w["from_s"] >= args.warmup and w["added_p99_ms"] is not None]
+    base = next((w for w in after if not w["incidents"]), None)
+    if base is None:
+        out.append({"criterion": "added p99 stable", "measured": "no window after the warm-up", "pass": False})
+        return out
+    ratios = [(w, w["added_p99_ms"] / max(base["added_p99_ms"], 1.0)) for w in after if not w["incidents"]]
+    worst = max(ratios, key=lambda x: x[1])
+    out.append({"criterion": f"added p99 stable: every window without an incident within {P99_RATIO:g}x the first "
+                             f"after the warm-up ({base['from_s']:.0f}-{base['to_s']:.0f} s, "
+                             f"{base['added_p99_ms']:.1f} ms)",
+                "measured": f"worst {worst[0]['added_p99_ms']:.1f} ms ({worst[1]:.2f}x) at "
+                            f"{worst[0]['from_s']:.0f}-{worst[0]['to_s']:.0f} s, load {worst[0]['load_mean']}; "
+                            f"incident windows: " + ", ".join(f"{w['from_s']:.0f}-{w['to_s']:.0f} s "
+                                                              f"{w['added_p99_ms']:.1f} ms"
+                                                              for w in after if w["incidents"]),
+                "pass": worst[1] <= P99_RATIO})
+    return out
 
 
 if __name__ == "__main__":
