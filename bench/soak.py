@@ -7,12 +7,17 @@ Responses, each streamed and not (distinct content every call). A fifth as many 
 to the upstream, the baseline for "added latency". At 40% of the run PostgreSQL is stopped for
 --pg-down seconds and started again; at 60% the writer child is killed with SIGKILL.
 
-  python bench/soak.py [--duration 1800] [--rate 50] [--window 300] [--warmup 120]
+  python bench/soak.py [--duration 1800] [--rate 50] [--window 300] [--warmup 120] [--no-incidents]
 
 Reports: steps lost (answered with 200, never stored: must be 0), errors, RSS of the proxy and of
-the writer over time (growth from the first window after warm-up to the last; per writer process,
-since the kill starts a new one), and per window the p50/p99 latency through the proxy and direct,
-and the added p99. Latency counts from when a request was due (open loop: no coordinated omission).
+the writer over time, and per window the p50/p99 latency through the proxy and direct, the added
+p99, the load average (mean and max of 10 s samples: the machine may be shared) and the incidents
+in it. Latency counts from when a request was due (open loop: no coordinated omission). Then the
+goals, each PASS or FAIL with its figures: RSS growth under 10% from the first window after the
+warm-up to the last (the proxy; each writer process that lived a warm-up and two windows, since the
+kill starts a new one), and a stable added p99 (no window without an incident over 2x the first one
+after the warm-up). With `ATDP_TRACEMALLOC_DIR` set, both processes also write heap snapshots
+(proxy.memtrace) for `bench/memdiff.py`.
 """
 
 from __future__ import annotations
@@ -194,6 +199,7 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=300.0, help="seconds per latency window")
     ap.add_argument("--warmup", type=float, default=120.0, help="seconds before RSS growth is measured")
     ap.add_argument("--pg-down", type=float, default=15.0, help="seconds PostgreSQL stays stopped")
+    ap.add_argument("--no-incidents", action="store_true", help="no PostgreSQL restart, no writer kill (diagnosis)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak.json"))
     args = ap.parse_args()
 
@@ -225,7 +231,7 @@ def main() -> int:
             os.kill(pid, signal.SIGKILL)
             events.append({"t": time.perf_counter() - t0, "event": f"writer {pid} killed (SIGKILL)"})
 
-    chaos = threading.Thread(target=incidents, daemon=True)
+    chaos = threading.Thread(target=(lambda: None) if args.no_incidents else incidents, daemon=True)
     chaos.start()
     try:
         asyncio.run(drive(stack.up_port, stack.proxy_port, args.duration, args.rate, res))
