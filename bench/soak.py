@@ -7,12 +7,17 @@ Responses, each streamed and not (distinct content every call). A fifth as many 
 to the upstream, the baseline for "added latency". At 40% of the run PostgreSQL is stopped for
 --pg-down seconds and started again; at 60% the writer child is killed with SIGKILL.
 
-  python bench/soak.py [--duration 1800] [--rate 50] [--window 300] [--warmup 120]
+  python bench/soak.py [--duration 1800] [--rate 50] [--window 300] [--warmup 120] [--no-incidents]
 
 Reports: steps lost (answered with 200, never stored: must be 0), errors, RSS of the proxy and of
-the writer over time (growth from the first window after warm-up to the last; per writer process,
-since the kill starts a new one), and per window the p50/p99 latency through the proxy and direct,
-and the added p99. Latency counts from when a request was due (open loop: no coordinated omission).
+the writer over time, and per window the p50/p99 latency through the proxy and direct, the added
+p99, the load average (mean and max of 10 s samples: the machine may be shared) and the incidents
+in it. Latency counts from when a request was due (open loop: no coordinated omission). Then the
+goals, each PASS or FAIL with its figures: RSS growth under 10% from the first window after the
+warm-up to the last (the proxy; each writer process that lived a warm-up and two windows, since the
+kill starts a new one), and a stable added p99 (no window without an incident over 2x the first one
+after the warm-up). With `ATDP_TRACEMALLOC_DIR` set, both processes also write heap snapshots
+(proxy.memtrace) for `bench/memdiff.py`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from pathlib import Path
 
 import httpx
 from proxy_overhead import ROOT, Conn, encode, own_postgres, start_stack
+
+RSS_LIMIT = 0.10  # the goal: RSS grows less than this after the warm-up
+P99_RATIO = 2.0  # "stable": no later window's added p99 over this multiple of the first one's
 
 DOORS = [("chat", False), ("chat", True), ("messages", False), ("messages", True), ("responses", False),
          ("responses", True)]
@@ -191,6 +199,7 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=300.0, help="seconds per latency window")
     ap.add_argument("--warmup", type=float, default=120.0, help="seconds before RSS growth is measured")
     ap.add_argument("--pg-down", type=float, default=15.0, help="seconds PostgreSQL stays stopped")
+    ap.add_argument("--no-incidents", action="store_true", help="no PostgreSQL restart, no writer kill (diagnosis)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak.json"))
     args = ap.parse_args()
 
@@ -222,7 +231,7 @@ def main() -> int:
             os.kill(pid, signal.SIGKILL)
             events.append({"t": time.perf_counter() - t0, "event": f"writer {pid} killed (SIGKILL)"})
 
-    chaos = threading.Thread(target=incidents, daemon=True)
+    chaos = threading.Thread(target=(lambda: None) if args.no_incidents else incidents, daemon=True)
     chaos.start()
     try:
         asyncio.run(drive(stack.up_port, stack.proxy_port, args.duration, args.rate, res))
@@ -234,6 +243,7 @@ def main() -> int:
                 break
             time.sleep(1.0)
         drain_s = time.perf_counter() - end_load
+        drained = h["writer_pending"] == 0 and not h["spool_pending"]
         time.sleep(12.0)  # one more RSS sample after the drain
         stop.set()
         from sqlalchemy import create_engine, text
@@ -254,49 +264,108 @@ def main() -> int:
         lo, hi = k * args.window, (k + 1) * args.window
         p = [ms for t, _, _, ms, st in res.proxy if lo <= t < hi and st == 200]
         d = [ms for t, _, ms, st in res.direct if lo <= t < hi and st == 200]
+        loads = [s["load1"] for s in samples if lo <= s["t"] < hi]
         w = {"from_s": lo, "to_s": min(hi, args.duration), "calls": len(p), "proxy_p50_ms": q(p, 0.5),
-             "proxy_p99_ms": q(p, 0.99), "direct_p50_ms": q(d, 0.5), "direct_p99_ms": q(d, 0.99)}
+             "proxy_p99_ms": q(p, 0.99), "direct_p50_ms": q(d, 0.5), "direct_p99_ms": q(d, 0.99),
+             "load_mean": round(statistics.mean(loads), 1) if loads else None,
+             "load_max": round(max(loads), 1) if loads else None,
+             "incidents": [e["event"] for e in events if lo <= e["t"] < hi]}
         w["added_p99_ms"] = (w["proxy_p99_ms"] - w["direct_p99_ms"]) if p and d else None
         windows.append(w)
         k += 1
     statuses: dict[int, int] = {}
     for *_, st in res.proxy:
         statuses[st] = statuses.get(st, 0) + 1
-    proxy_rss = growth([(s["t"], s["proxy_mb"]) for s in samples], args.warmup, args.window)
+    # RSS judged over the load only (the drain after it is another regime).
+    loaded = [s for s in samples if s["t"] <= args.duration]
+    proxy_rss = growth([(s["t"], s["proxy_mb"]) for s in loaded], args.warmup, args.window)
     writers = []
-    for pid in dict.fromkeys(s["writer_pid"] for s in samples if s["writer_pid"]):
-        own = [(s["t"], s["writer_mb"]) for s in samples if s["writer_pid"] == pid]
-        writers.append({"pid": pid, "from_t": own[0][0], "to_t": own[-1][0],
+    for pid in dict.fromkeys(s["writer_pid"] for s in loaded if s["writer_pid"]):
+        own = [(s["t"], s["writer_mb"]) for s in loaded if s["writer_pid"] == pid] or [(0.0, None)]
+        # Judged only when it lived a warm-up plus two windows (the one after the kill may not).
+        judged = own[-1][0] - own[0][0] >= args.warmup + 2 * args.window
+        writers.append({"pid": pid, "from_t": own[0][0], "to_t": own[-1][0], "judged": judged,
                         "rss": growth(own, own[0][0] + args.warmup, args.window)})
     lost = sorted(res.step_ids - stored)
+    criteria = judge(windows, proxy_rss, writers, args)
     summary = {
-        "duration_s": args.duration, "rate": args.rate, "proxied_calls": len(res.proxy), "statuses": statuses,
-        "connection_errors": res.errors, "answered_steps": len(res.step_ids), "steps_lost": len(lost),
+        "duration_s": args.duration, "rate": args.rate, "warmup_s": args.warmup, "window_s": args.window,
+        "proxied_calls": len(res.proxy), "statuses": statuses,
+        "connection_errors": res.errors, "answered_steps": len(res.step_ids), "steps_lost": len(lost), "drained": drained,
         "lost_ids": lost[:20], "steps_in_database": total_steps, "writer_drain_s": round(drain_s, 1),
-        "events": events, "windows": windows, "proxy_rss": proxy_rss, "writers": writers, "rss_samples": samples,
-        "machine": {"cores": os.cpu_count()},
+        "events": events, "criteria": criteria, "windows": windows, "proxy_rss": proxy_rss, "writers": writers,
+        "rss_samples": samples, "machine": {"cores": os.cpu_count()}, "env": {k: v for k, v in os.environ.items()
+                                                                          if k.startswith(("ATDP_", "MALLOC_"))},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))
     print(f"{len(res.proxy)} proxied calls in {args.duration:.0f} s at {args.rate:.0f}/s; statuses {statuses}; "
           f"connection errors {res.errors or 0}")
-    print(f"steps answered {len(res.step_ids)}, lost {len(lost)} (writer drained in {drain_s:.1f} s after the load)")
+    if drained:
+        print(f"steps answered {len(res.step_ids)}, lost {len(lost)} (writer drained in {drain_s:.1f} s after the load)")
+    else:  # not lost: still held or spooled when the wait ended, and unverified
+        print(f"steps answered {len(res.step_ids)}; NOT DRAINED after {drain_s:.0f} s: {len(lost)} not yet in the "
+              f"database (held by the proxy or spooled; not verified)")
     for e in events:
         print(f"  t={e['t']:.0f} s: {e['event']}")
     print(f"proxy RSS {proxy_rss}")
     for w in writers:
-        print(f"writer {w['pid']} (t {w['from_t']:.0f}-{w['to_t']:.0f} s) RSS {w['rss']}")
-    print("| window | calls | proxy p50 / p99 (ms) | direct p50 / p99 (ms) | added p99 (ms) |")
-    print("| --- | --- | --- | --- | --- |")
+        print(f"writer {w['pid']} (t {w['from_t']:.0f}-{w['to_t']:.0f} s) RSS {w['rss']}"
+              + ("" if w["judged"] else " (not judged: too short after its warm-up)"))
+    print("| window | calls | proxy p50 / p99 (ms) | direct p50 / p99 (ms) | added p99 (ms) | load avg (mean / max) |")
+    print("| --- | --- | --- | --- | --- | --- |")
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
     for w in windows:
-        print(f"| {w['from_s']:.0f}-{w['to_s']:.0f} s | {w['calls']} | {f(w['proxy_p50_ms'])} / {f(w['proxy_p99_ms'])} | "
-              f"{f(w['direct_p50_ms'])} / {f(w['direct_p99_ms'])} | {f(w['added_p99_ms'])} |")
+        tag = f" ({'; '.join(w['incidents'])})" if w["incidents"] else ""
+        print(f"| {w['from_s']:.0f}-{w['to_s']:.0f} s{tag} | {w['calls']} | {f(w['proxy_p50_ms'])} / "
+              f"{f(w['proxy_p99_ms'])} | {f(w['direct_p50_ms'])} / {f(w['direct_p99_ms'])} | {f(w['added_p99_ms'])} | "
+              f"{f(w['load_mean'])} / {f(w['load_max'])} |")
+    for c in criteria:
+        print(f"{'PASS' if c['pass'] else 'FAIL'}: {c['criterion']}: {c['measured']}")
     print(f"wrote {args.out}")
     return 0 if not lost else 1
+
+
+def judge(windows: list[dict], proxy_rss: dict | None, writers: list[dict], args: argparse.Namespace) -> list[dict]:
+    """The run's goals, each with what was measured: 0 steps lost is checked by the caller."""
+    out = []
+
+    def rss(name: str, g: dict | None) -> None:
+        if g is None:
+            out.append({"criterion": f"{name} RSS growth < {RSS_LIMIT:.0%}", "measured": "too few samples",
+                        "pass": False})
+            return
+        out.append({"criterion": f"{name} RSS growth < {RSS_LIMIT:.0%} (median of the first {args.window:.0f} s "
+                                 f"after a {args.warmup:.0f} s warm-up -> median of the last {args.window:.0f} s)",
+                    "measured": f"{g['from_mb']} -> {g['to_mb']} MB ({g['growth']:+.1%})",
+                    "pass": g["growth"] < RSS_LIMIT})
+
+    rss("proxy", proxy_rss)
+    for w in writers:
+        if w["judged"]:
+            rss(f"writer {w['pid']}", w["rss"])
+    # p99 stability: each later window's added p99 against the first window after the warm-up,
+    # windows with an incident (PostgreSQL restart, writer kill) shown but not judged.
+    after = [w for w in windows if w["from_s"] >= args.warmup and w["added_p99_ms"] is not None]
+    base = next((w for w in after if not w["incidents"]), None)
+    if base is None:
+        out.append({"criterion": "added p99 stable", "measured": "no window after the warm-up", "pass": False})
+        return out
+    ratios = [(w, w["added_p99_ms"] / max(base["added_p99_ms"], 1.0)) for w in after if not w["incidents"]]
+    worst = max(ratios, key=lambda x: x[1])
+    out.append({"criterion": f"added p99 stable: every window without an incident within {P99_RATIO:g}x the first "
+                             f"after the warm-up ({base['from_s']:.0f}-{base['to_s']:.0f} s, "
+                             f"{base['added_p99_ms']:.1f} ms)",
+                "measured": f"worst {worst[0]['added_p99_ms']:.1f} ms ({worst[1]:.2f}x) at "
+                            f"{worst[0]['from_s']:.0f}-{worst[0]['to_s']:.0f} s, load {worst[0]['load_mean']}; "
+                            f"incident windows: " + ", ".join(f"{w['from_s']:.0f}-{w['to_s']:.0f} s "
+                                                              f"{w['added_p99_ms']:.1f} ms"
+                                                              for w in after if w["incidents"]),
+                "pass": worst[1] <= P99_RATIO})
+    return out
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy import logs, openapi, providers, telemetry
+from proxy import logs, memtrace, openapi, providers, telemetry
 from proxy.config import Settings
 from proxy.console import routes as console
 from proxy.control import admin, canary, canarybus, diagnosis, feedback, gates, overview, sessions, versions
@@ -89,7 +89,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         policies=policies,
         pool=ReplicaPool(settings.upstream_urls, hold_timeout_s=settings.swap_hold_timeout_s,
                          api_key=settings.upstream_api_key),
-        index=ContinuationIndex(ttl_s=settings.session_ttl_s, retry_window_s=settings.retry_window_s),
+        index=ContinuationIndex(settings.continuation_entries, settings.session_ttl_s, settings.retry_window_s),
         diagnosis=DiagnosisCache(settings.diagnosis_max_age_s),
         recorder=recorder,
         redactor=own_redactor,
@@ -122,6 +122,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             tasks.append(asyncio.create_task(admin.retention_loop(state, settings.retention_interval_s)))
         gc.collect()
         gc.freeze()  # what start-up built lives for the process: keep it out of every later collection
+        memtrace.start("proxy", settings.malloc_trim_s)  # glibc heap upkeep; snapshots when asked
         try:
             yield
         finally:

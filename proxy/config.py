@@ -181,6 +181,15 @@ class Settings(BaseSettings):
     session_ttl_s: float = 24 * 3600.0
     # A call identical to one that ended this recently joins its session (a retry, a parallel sample).
     retry_window_s: float = 30.0
+    # Memory bounds (README, "Soak"). Continuation keys a proxy keeps in memory (about 230 bytes each;
+    # an older session's next call is not linked unless `shared_links` finds it in the database).
+    continuation_entries: int = Field(default=200_000, ge=1_000)
+    # The writer: contents known stored and steps' redaction state (entries each; a miss costs a scan
+    # or a read), and recent token sequences for prefix storage (tokens, and seconds since written).
+    writer_cache_entries: int = Field(default=100_000, ge=1_000)
+    token_cache_tokens: int = Field(default=16_000_000, ge=0)
+    token_cache_s: float = Field(default=600.0, ge=0.0)
+    malloc_trim_s: float = Field(default=60.0, ge=0.0)  # glibc free heap back to the system (proxy.memtrace); 0: off
     otel_exporter: str = "none"  # none | console | otlp
     redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use
     # process: redaction + writes in a child process; thread: in-process

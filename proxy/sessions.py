@@ -17,7 +17,10 @@ sessions.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -174,8 +177,6 @@ def match_key(message: dict[str, Any]) -> bytes:
 def prefix_hashes(tenant: str, keys: list[bytes], start: str | None = None) -> list[str]:
     """h[i] = rolling hash of keys[:i+1], seeded by the tenant (tenants never link to each other);
     `start` continues an earlier sequence's last hash."""
-    import hashlib
-
     h = start or hashlib.sha256(tenant.encode()).hexdigest()
     out = []
     for k in keys:
@@ -184,41 +185,89 @@ def prefix_hashes(tenant: str, keys: list[bytes], start: str | None = None) -> l
     return out
 
 
+def _digest(h: str) -> bytes:
+    """A match key as 16 bytes: the hex hashes are 64 characters (113 bytes as a str); 128 bits do
+    not collide among the few hundred thousand keys a proxy holds."""
+    try:
+        return bytes.fromhex(h[:32])
+    except ValueError:  # not hex (not one of ours): still a stable 16-byte key
+        return hashlib.blake2b(h.encode(), digest_size=16).digest()
+
+
+def _pack(when: float, link: StepLink | None) -> bytes:
+    """(when, link) as one bytes object: two UUIDs as 32 bytes, other ids as text. An entry so costs
+    about 230 bytes with its key and the map's own, against about 960 as dataclasses and hex strings."""
+    head = _WHEN.pack(when)
+    if link is None:
+        return head
+    try:
+        step, session = uuid.UUID(link.step_id), uuid.UUID(link.session_id)
+        if str(step) == link.step_id and str(session) == link.session_id:
+            return head + b"\x01" + step.bytes + session.bytes
+    except ValueError:
+        pass
+    # Step ids are ours (no NUL); the session id is whatever follows the first NUL.
+    return head + b"\x00" + link.step_id.encode() + b"\x00" + link.session_id.encode()
+
+
+def _unpack(v: bytes) -> tuple[float, StepLink | None]:
+    when = _WHEN.unpack_from(v)[0]
+    if len(v) == _WHEN.size:
+        return when, None
+    if v[_WHEN.size] == 1:
+        o = _WHEN.size + 1
+        return when, StepLink(str(uuid.UUID(bytes=v[o : o + 16])), str(uuid.UUID(bytes=v[o + 16 : o + 32])))
+    step, _, session = v[_WHEN.size + 1 :].partition(b"\x00")
+    return when, StepLink(step.decode(), session.decode())
+
+
+_WHEN = struct.Struct("d")
+
+
 class ContinuationIndex:
-    """Recent steps by the hash of (their input + their output), bounded by size and age."""
+    """Recent steps by the hash of (their input + their output), bounded by count and age.
+
+    Compact (16-byte keys, packed values): the map is the largest thing a proxy keeps. Inputs serve
+    only retries, so they are kept for the retry window alone."""
 
     def __init__(self, max_entries: int = 200_000, ttl_s: float = 24 * 3600.0, retry_window_s: float = 30.0) -> None:
-        self._by_transcript: OrderedDict[str, tuple[StepLink, float]] = OrderedDict()
-        # input hash -> (the call, its parent, history length, its body's hash, when it ended)
-        self._by_input: OrderedDict[str, tuple[StepLink, StepLink | None, int, str, float]] = OrderedDict()
+        self._by_transcript: OrderedDict[bytes, bytes] = OrderedDict()  # key -> _pack(when, link)
+        # input key -> (when it ended, the call, its parent, history length, its body's 16-byte hash)
+        self._by_input: OrderedDict[bytes, tuple[bytes, bytes, int, bytes]] = OrderedDict()
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self.retry_window_s = retry_window_s
 
-    def _trim(self, d: OrderedDict) -> None:
-        now = time.monotonic()
-        while d and (len(d) > self.max_entries or next(iter(d.values()))[-1] < now - self.ttl_s):
+    def __len__(self) -> int:
+        return len(self._by_transcript) + len(self._by_input)
+
+    def _trim(self, d: OrderedDict, max_age: float) -> None:
+        oldest = time.monotonic() - max_age
+        while d and (len(d) > self.max_entries or _WHEN.unpack_from(_first(next(iter(d.values()))))[0] < oldest):
             d.popitem(last=False)
 
     def add(self, transcript_hash: str, link: StepLink) -> None:
-        self._by_transcript[transcript_hash] = (link, time.monotonic())
-        self._by_transcript.move_to_end(transcript_hash)
-        self._trim(self._by_transcript)
+        key = _digest(transcript_hash)
+        self._by_transcript[key] = _pack(time.monotonic(), link)
+        self._by_transcript.move_to_end(key)
+        self._trim(self._by_transcript, self.ttl_s)
 
     def add_input(self, input_hash: str, link: StepLink, parent: StepLink | None, history_len: int,
                   body_hash: str = "") -> None:
-        self._by_input[input_hash] = (link, parent, history_len, body_hash, time.monotonic())
-        self._by_input.move_to_end(input_hash)
-        self._trim(self._by_input)
+        key = _digest(input_hash)
+        self._by_input[key] = (_pack(time.monotonic(), link), _pack(0.0, parent), history_len,
+                               _digest(body_hash) if body_hash else b"")
+        self._by_input.move_to_end(key)
+        self._trim(self._by_input, min(self.ttl_s, self.retry_window_s))
 
     def forget(self, step_ids: set[str]) -> int:
         """Drop every entry of the forgotten steps: no later call is linked to a forgotten session."""
         n = 0
-        for key in [k for k, v in self._by_transcript.items() if v[0].step_id in step_ids]:
+        for key in [k for k, v in self._by_transcript.items() if _link(v).step_id in step_ids]:
             del self._by_transcript[key]
             n += 1
-        for key in [k for k, v in self._by_input.items()
-                    if v[0].step_id in step_ids or (v[1] is not None and v[1].step_id in step_ids)]:
+        for key in [k for k, (v, p, _, _) in self._by_input.items()
+                    if _link(v).step_id in step_ids or ((pl := _unpack(p)[1]) is not None and pl.step_id in step_ids)]:
             del self._by_input[key]
             n += 1
         return n
@@ -227,9 +276,9 @@ class ContinuationIndex:
         """Keys another proxy published (proxy.store.links); what this memory already holds wins."""
         for r in rows:
             link = StepLink(step_id=r.step_id, session_id=r.session_id)
-            if r.kind == "t" and r.hash not in self._by_transcript:
+            if r.kind == "t" and _digest(r.hash) not in self._by_transcript:
                 self.add(r.hash, link)
-            elif r.kind == "i" and r.hash not in self._by_input:
+            elif r.kind == "i" and _digest(r.hash) not in self._by_input:
                 parent = StepLink(step_id=r.parent_step_id, session_id=r.session_id) if r.parent_step_id else None
                 self.add_input(r.hash, link, parent, r.history_len)
 
@@ -237,26 +286,39 @@ class ContinuationIndex:
         """The longest earlier transcript that is a strict prefix of this call's messages."""
         now = time.monotonic()
         for i in range(len(hashes) - 2, -1, -1):
-            hit = self._by_transcript.get(hashes[i])
-            if hit and hit[1] >= now - self.ttl_s and (session_id is None or hit[0].session_id == session_id):
-                return Continuation(parent=hit[0], history_len=i + 1)
+            hit = self._by_transcript.get(_digest(hashes[i]))
+            if hit is None:
+                continue
+            when, link = _unpack(hit)
+            if link is not None and when >= now - self.ttl_s and (session_id is None or link.session_id == session_id):
+                return Continuation(parent=link, history_len=i + 1)
         if hashes and body_hash:
             # The same request again soon after (a retry, or a parallel sample): a sibling of that
             # step. Same input alone is not enough: independent runs often open identically.
-            hit2 = self._by_input.get(hashes[-1])
-            if (hit2 and hit2[3] == body_hash and hit2[-1] >= now - self.retry_window_s
-                    and (session_id is None or hit2[0].session_id == session_id)):
-                link, parent, history_len, _, _ = hit2
-                if parent is not None:
-                    return Continuation(parent=parent, history_len=history_len)
-                return Continuation(parent=StepLink(step_id="", session_id=link.session_id), history_len=0)
+            hit2 = self._by_input.get(_digest(hashes[-1]))
+            if hit2 is not None and hit2[3] == _digest(body_hash):
+                when, link = _unpack(hit2[0])
+                parent = _unpack(hit2[1])[1]
+                if (link is not None and when >= now - self.retry_window_s
+                        and (session_id is None or link.session_id == session_id)):
+                    if parent is not None:
+                        return Continuation(parent=parent, history_len=hit2[2])
+                    return Continuation(parent=StepLink(step_id="", session_id=link.session_id), history_len=0)
         return Continuation(parent=None, history_len=0)
+
+
+def _first(v: bytes | tuple[bytes, ...]) -> bytes:
+    return v if isinstance(v, bytes) else v[0]
+
+
+def _link(v: bytes) -> StepLink:
+    link = _unpack(v)[1]
+    assert link is not None  # entries always name their step
+    return link
 
 
 def body_hash(tenant: str, body: dict[str, Any]) -> str:
     """A request body's fingerprint (per tenant), for telling a retry from a new run."""
-    import hashlib
-
     # Key order as the client sent it: a retry re-sends the same bytes, so the same order.
     return hashlib.sha256(tenant.encode() + b"\0" + orjson.dumps(body)).hexdigest()
 

@@ -13,6 +13,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,7 +23,7 @@ from atdp_schema.models import TokenSource
 from proxy.governance.policy import TenantPolicy, decide_eligibility
 from proxy.governance.redaction import TextRedactor, elide_echoes
 from proxy.governance.tokens import TokenDecision, TokenGuard
-from proxy.lru import LRU
+from proxy.lru import LRU, content_key, id_key
 from proxy.record.capture import CapturedStep
 from proxy.store import tables as t
 from proxy.store.content import canonical, content_hash
@@ -38,32 +39,47 @@ TokenPolicy = Callable[..., TokenDecision]
 OPERATOR_KINDS = frozenset({"tools"})
 
 
-class TokenCache:
-    """Recent steps' full token sequences (prompt + output), bounded by total tokens.
+@dataclass(frozen=True)
+class CacheSizes:
+    """The writer's memory bounds (settings `writer_cache_entries`, `token_cache_tokens`, `token_cache_s`)."""
 
-    Lets a step store only the suffix of its prompt after its parent's sequence.
+    entries: int = 100_000  # each of: contents known stored, steps' redaction state
+    tokens: int = 16_000_000  # recent token sequences, in tokens (4 bytes each)
+    token_age_s: float = 600.0  # ... and in age: a child call comes seconds to minutes after its parent
+
+
+class TokenCache:
+    """Recent steps' full token sequences (prompt + output), bounded by total tokens and by age.
+
+    Lets a step store only the suffix of its prompt after its parent's sequence; a miss only stores
+    a longer suffix, so the age bound makes the cache plateau within minutes under any steady load.
     """
 
-    def __init__(self, max_tokens: int = 16_000_000) -> None:
-        self._items: OrderedDict[str, array] = OrderedDict()
+    def __init__(self, max_tokens: int = 16_000_000, max_age_s: float = 600.0) -> None:
+        self._items: OrderedDict[bytes | str, tuple[float, array]] = OrderedDict()
         self._total = 0
         self.max_tokens = max_tokens
+        self.max_age_s = max_age_s
 
     def put(self, step_id: str, ids: list[int] | array) -> None:
         a = ids if isinstance(ids, array) else array("i", ids)
-        self._items[step_id] = a
+        key = id_key(step_id)
+        self.drop(step_id)
+        self._items[key] = (time.monotonic(), a)
         self._total += len(a)
-        while self._total > self.max_tokens and self._items:
-            _, old = self._items.popitem(last=False)
+        oldest = time.monotonic() - self.max_age_s
+        while self._items and (self._total > self.max_tokens or next(iter(self._items.values()))[0] < oldest):
+            _, (_, old) = self._items.popitem(last=False)
             self._total -= len(old)
 
     def get(self, step_id: str | None) -> array | None:
-        return self._items.get(step_id) if step_id else None
+        hit = self._items.get(id_key(step_id)) if step_id else None
+        return hit[1] if hit is not None and hit[0] >= time.monotonic() - self.max_age_s else None
 
     def drop(self, step_id: str) -> None:
-        old = self._items.pop(step_id, None)
+        old = self._items.pop(id_key(step_id), None)
         if old is not None:
-            self._total -= len(old)
+            self._total -= len(old[1])
 
 
 def retention_until(started_at: datetime, policy: TenantPolicy) -> datetime | None:
@@ -120,20 +136,22 @@ def dropped_tokens() -> TokenDecision:
 class Preparer:
     def __init__(self, *, secret: bytes, redactor: TextRedactor,
                  policy_for: Callable[[Session | None, str], TenantPolicy],
-                 database: Callable[[], sessionmaker[Session] | None], token_policy: TokenPolicy | None = None
-                 ) -> None:
+                 database: Callable[[], sessionmaker[Session] | None], token_policy: TokenPolicy | None = None,
+                 caches: CacheSizes | None = None) -> None:
         self.secret = secret
         self.redactor = redactor
         self.policy_for = policy_for
         self.database = database  # the session factory while the database is reachable, else None
         self.token_policy = token_policy  # governance hook for steps whose tokens touch redacted text
-        self._known: LRU = LRU(500_000)  # (tenant, hash) -> redaction counts of stored content
-        self._context_redacted: LRU = LRU(200_000)  # step id -> its prompt+output touched redacted text
+        caches = caches or CacheSizes()
+        # Compact keys (proxy.lru): these two hold an entry per new content and per step.
+        self._known: LRU[bytes, tuple] = LRU(caches.entries)  # content_key -> redaction counts' items
+        self._context_redacted: LRU[bytes | str, bool] = LRU(caches.entries)  # id_key(step) -> touched redacted text
         self._outputs: LRU = LRU(10_000)  # redacted assistant outputs, for tool-call rows
         # (tenant, hash) -> (redacted value, counts) of what a step carries besides its contents:
         # params, error, history fields the continuation key ignores. Scanned once, never stored as contents.
         self._side: LRU = LRU(50_000)
-        self.tokens = TokenCache()
+        self.tokens = TokenCache(caches.tokens, caches.token_age_s)
         self._policies: dict[str, tuple[float, TenantPolicy]] = {}
         self._lock = threading.Lock()
 
@@ -171,7 +189,7 @@ class Preparer:
             def add(kind: str, value: Any, tenant: str = tenant, items: dict = items) -> str:
                 h = content_hash(self.secret, value)
                 items.setdefault(h, (kind, value))
-                if (tenant, h) not in self._known:
+                if content_key(tenant, h) not in self._known:
                     todo.setdefault((tenant, h), (kind, value))
                 return h
 
@@ -228,10 +246,10 @@ class Preparer:
                     body, counts = redacted[(tenant, h)][:2]
                     contents.append(ContentRow(hash=h, kind=kind, body=body, size=len(canonical(value)),
                                                redaction=dict(counts)))
-                    self._known.put((tenant, h), dict(counts))
+                    self._known.put(content_key(tenant, h), tuple(counts.items()))  # () when clean: shared
                     if kind == "output":
                         self._outputs.put((tenant, h), body)
-                counts_of[h] = self._known.get((tenant, h), {})
+                counts_of[h] = dict(self._known.get(content_key(tenant, h), ()))
             for h in refs["extras"]:
                 counts_of[h] = self._side_value(tenant, h)[1]
             out.append(self._record(st, refs, contents, counts_of))
@@ -269,7 +287,7 @@ class Preparer:
                                            parent_dirty=parent_dirty, refs=refs, counts_of=counts_of)
             else:
                 tokens = dropped_tokens()
-        self._context_redacted.put(st.step_id, prompt_dirty or bool(output_counts))
+        self._context_redacted.put(id_key(st.step_id), prompt_dirty or bool(output_counts))
 
         # Store the prompt as the suffix after the parent's prompt+output (history stored once).
         prefix_len = 0
@@ -299,14 +317,13 @@ class Preparer:
         """Drop what memory holds of forgotten steps and contents (all of a tenant's when hashes is None),
         so a deleted content is written again, not assumed stored. Called by proxy.forget's callers."""
         with self._lock:
-            if content_hashes is None:
-                for key in [k for k in self._known if k[0] == tenant]:
-                    del self._known[key]
+            if content_hashes is None:  # keys are digests: a whole tenant's cannot be told apart
+                self._known.clear()  # (a miss only redacts that content again)
             else:
                 for h in content_hashes:
-                    self._known.pop((tenant, h), None)
+                    self._known.pop(content_key(tenant, h), None)
             for sid in step_ids:
-                self._context_redacted.pop(sid, None)
+                self._context_redacted.pop(id_key(sid), None)
                 self.tokens.drop(sid)
             self._policies.pop(tenant, None)
             if isinstance(self.token_policy, TokenGuard):
@@ -334,7 +351,7 @@ class Preparer:
     def _parent_context_redacted(self, parent_id: str | None) -> bool:
         if not parent_id:
             return False
-        hit = self._context_redacted.get(parent_id)
+        hit = self._context_redacted.get(id_key(parent_id))
         if hit is not None:
             return hit
         factory = self.database()

@@ -26,7 +26,7 @@ from proxy.governance.redaction import TextRedactor
 from proxy.governance.tokens import TokenGuard, load_codec
 from proxy.record.capture import CapturedStep
 from proxy.record.durability import InFlight, WriterHealth
-from proxy.record.prepare import Preparer, TokenPolicy
+from proxy.record.prepare import CacheSizes, Preparer, TokenPolicy
 from proxy.record.spool import Spool
 from proxy.store.db import db_error_reason
 from proxy.store.ids import new_id
@@ -50,12 +50,13 @@ class Recorder:
     def __init__(self, *, secret: bytes, factory: sessionmaker[Session] | None, spool: Spool,
                  redactor: TextRedactor, policy_for: Callable[[Session | None, str], TenantPolicy],
                  queue_size: int = 10_000, batch_size: int = 256, flush_interval_s: float = 0.05,
-                 retry_interval_s: float = 1.0, token_policy: TokenPolicy | None = None) -> None:
+                 retry_interval_s: float = 1.0, token_policy: TokenPolicy | None = None,
+                 caches: CacheSizes | None = None) -> None:
         self.factory = factory
         self.spool = spool
         self.redactor = redactor
         self.preparer = Preparer(secret=secret, redactor=redactor, policy_for=policy_for, token_policy=token_policy,
-                                 database=lambda: self.factory if self.db_ok else None)
+                                 database=lambda: self.factory if self.db_ok else None, caches=caches)
         self.queue: queue.Queue[Item | None] = queue.Queue(maxsize=queue_size)
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s

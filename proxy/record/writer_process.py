@@ -38,7 +38,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from proxy import logs
+from proxy import logs, memtrace
 from proxy.config import Settings
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import RedactionConfig, TextRedactor
@@ -46,7 +46,7 @@ from proxy.governance.redaction_pool import RedactionPool
 from proxy.governance.tokens import TokenGuard, load_codec, token_policy
 from proxy.record.capture import CapturedStep
 from proxy.record.durability import InFlight, WriterHealth
-from proxy.record.recorder import Item, Recorder
+from proxy.record.recorder import CacheSizes, Item, Recorder
 from proxy.record.spool import Spool
 
 log = logging.getLogger("atdp.writer")
@@ -69,7 +69,7 @@ def build_recorder(settings: Settings, policies: Policies, *, redactor: TextReda
         policy_for=lambda s, tenant: policies.policy_for(s, tenant) if s is not None else policies.base(tenant),
         queue_size=settings.queue_size, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s,
         token_policy=TokenGuard(codec) if codec is not None else token_policy,
-    )
+        caches=CacheSizes(settings.writer_cache_entries, settings.token_cache_tokens, settings.token_cache_s))
 
 
 @dataclass
@@ -453,6 +453,7 @@ def _child_main(settings: Settings, policies: Policies, inbox: Connection, outbo
     # Build the redactor (Presidio: seconds) before saying ready, not inside the first batch: the
     # health check shows the writer down until then, and the first steps are not held that long.
     _settle_heap(rec)
+    memtrace.start("writer", settings.malloc_trim_s)  # glibc heap upkeep; snapshots when asked
     engine = None
     try:
         outbox.send(("ready", _child_stats(rec)))

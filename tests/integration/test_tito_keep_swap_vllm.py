@@ -17,6 +17,7 @@ import pytest
 from atdp_schema.models import Eligibility
 from proxy.store import tables as t
 from proxy.store.tokens import unrle
+from tests import agent_traffic as traffic
 
 ADMIN = {"authorization": "Bearer admin-test-key"}
 LONG_TOKENS = 1500
@@ -39,18 +40,23 @@ def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_re
     assert proxy.versions.ready.wait(60)
     client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=300)
     sid = {"x-atdp-session-id": "tito-keep-swap"}
-    messages = [{"role": "user", "content": "start"}]
-    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                           extra_headers=sid)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                 {"role": "user", "content": "go on, at length"}]
+    # A first turn that ends by itself (a forced tool call): a parent cut by max_tokens is rendered.
+    tools = [{"type": "function", "function": {"name": "terminal", "description": "Run a shell command",
+                                                  "parameters": traffic.TERMINAL}}]  # fmt: skip
+    messages = [{"role": "user", "content": "count the files"}]
+    first = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, temperature=0, max_tokens=64, extra_headers=sid,
+        tool_choice={"type": "function", "function": {"name": "terminal"}})
+    call = first.choices[0].message.tool_calls[0]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "12\n"}]
     result: dict = {}
 
     def long_call() -> None:
         try:
             raw = client.chat.completions.with_raw_response.create(
-                model="tiny", messages=messages, max_tokens=LONG_TOKENS, temperature=0, extra_headers=sid,
-                extra_body={"ignore_eos": True})
+                model="tiny", messages=messages, tools=tools, tool_choice="none", max_tokens=LONG_TOKENS,
+                temperature=0, extra_headers=sid, extra_body={"ignore_eos": True})
             result["step"] = raw.headers["x-atdp-step-id"]
             result["finish"] = raw.parse().choices[0].finish_reason
         except Exception as e:  # asserted on below
@@ -62,7 +68,7 @@ def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_re
         deadline = time.monotonic() + 120
         while _running(vllm_server.base_url) < 1:  # the long call is generating in the engine
             assert time.monotonic() < deadline and worker.is_alive(), result
-            time.sleep(0.05)
+            time.sleep(0.01)
         r = httpx.post(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=120,
                        json={"checkpoint": str(tiny_model_dir_b), "name": "v1", "promote": "now"})
         assert r.status_code == 200, r.text

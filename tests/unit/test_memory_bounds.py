@@ -1,0 +1,118 @@
+"""The bounded, compact in-memory maps the soak leans on: the continuation index (16-byte keys,
+packed links, inputs kept for the retry window only), the writer's token cache (bounded by tokens
+and age) and its compact cache keys. Pure, no database."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+from proxy.lru import LRU, content_key, id_key
+from proxy.record.prepare import TokenCache
+from proxy.sessions import ContinuationIndex, StepLink, prefix_hashes
+from proxy.store.ids import new_id
+from proxy.store.links import LinkRow
+
+
+def hashes(*texts: str) -> list[str]:
+    return prefix_hashes("acme", [t.encode() for t in texts])
+
+
+def test_a_transcript_links_back_with_its_ids_intact_uuid_or_not():
+    index = ContinuationIndex()
+    uuid_link = StepLink(step_id=new_id(), session_id=new_id())
+    client_link = StepLink(step_id=new_id(), session_id="claude code session: 42/ä")  # a client-chosen id
+    a, b = hashes("sys", "hello", "answer"), hashes("sys", "other", "answer")
+    index.add(a[-1], uuid_link)
+    index.add(b[-1], client_link)
+    found = index.find([*a, *hashes("next")[-1:]], None)
+    assert found.parent == uuid_link and found.history_len == 3
+    found = index.find([*b, "x" * 64], None)
+    assert found.parent == client_link and found.history_len == 3
+    # A named session only links to its own steps.
+    assert index.find([*b, "x" * 64], "another session").parent is None
+
+
+def test_retries_link_within_the_window_and_inputs_are_not_kept_beyond_it():
+    index = ContinuationIndex(retry_window_s=0.3)
+    link = StepLink(step_id=new_id(), session_id=new_id())
+    h = hashes("sys", "hello")
+    index.add_input(h[-1], link, None, 0, "body-1")
+    assert index.find(h, None, "body-1").parent == StepLink(step_id="", session_id=link.session_id)
+    assert index.find(h, None, "body-2").parent is None  # same input, another body: a new run
+    time.sleep(0.35)
+    assert index.find(h, None, "body-1").parent is None
+    index.add_input(hashes("other")[-1], link, None, 0, "body-3")  # trims what is past the window
+    assert len(index._by_input) == 1
+
+
+def test_the_index_is_bounded_by_count_and_forgets_steps():
+    index = ContinuationIndex(max_entries=1_000)
+    links = [StepLink(step_id=new_id(), session_id=new_id()) for _ in range(1_500)]
+    keys = [hashes(str(i))[-1] for i in range(1_500)]
+    for k, link in zip(keys, links, strict=True):
+        index.add(k, link)
+    assert len(index._by_transcript) == 1_000
+    assert index.find([keys[0], "x"], None).parent is None  # the oldest went first
+    assert index.find([keys[-1], "x"], None).parent == links[-1]
+    parent = StepLink(step_id=new_id(), session_id=links[-1].session_id)
+    index.add_input(hashes("in")[-1], links[-2], parent, 2, "b")
+    assert index.forget({links[-1].step_id, parent.step_id}) == 2
+    assert index.find([keys[-1], "x"], None).parent is None
+    assert index.find(hashes("in"), None, "b").parent is None
+
+
+def test_learned_rows_link_like_local_ones():
+    index = ContinuationIndex()
+    t, i = hashes("a", "b")[-1], hashes("c")[-1]
+    sid, parent = new_id(), new_id()
+    index.learn([LinkRow(t, "t", new_id(), sid), LinkRow(i, "i", new_id(), sid, parent, 3)])
+    assert index.find([t, "x"], None).parent.session_id == sid
+    assert index.find([i], None, "").parent is None  # a retry needs the same body, which a row does not carry
+
+
+def test_an_entry_costs_a_few_hundred_bytes():
+    """The figure the settings' comments quote (about 230 bytes per continuation key)."""
+    index = ContinuationIndex(max_entries=50_000)
+    keys = [hashes(str(i))[-1] for i in range(20_000)]
+    links = [StepLink(step_id=new_id(), session_id=new_id()) for _ in range(20_000)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for k, link in zip(keys, links, strict=True):
+        index.add(k, link)
+    per_entry = (tracemalloc.get_traced_memory()[0] - before) / 20_000
+    tracemalloc.stop()
+    assert per_entry < 300, per_entry
+
+
+def test_token_cache_is_bounded_by_tokens_and_by_age():
+    cache = TokenCache(max_tokens=1_000, max_age_s=0.3)
+    a, b, c = new_id(), new_id(), "not-a-uuid"
+    cache.put(a, list(range(600)))
+    cache.put(b, list(range(300)))
+    cache.put(c, list(range(300)))  # over 1,000 tokens: the oldest goes
+    assert cache.get(a) is None and list(cache.get(b)) == list(range(300)) and cache.get(c) is not None
+    cache.put(b, [1, 2, 3])  # rewritten: counted once
+    assert cache._total == 303
+    cache.drop(c)
+    assert cache._total == 3
+    time.sleep(0.35)
+    assert cache.get(b) is None  # too old to be a parent worth a prefix
+    cache.put(new_id(), [7])
+    assert cache._total == 1
+
+
+def test_id_keys_are_16_bytes_for_uuids_and_the_text_for_anything_else():
+    uid = new_id()
+    assert isinstance(id_key(uid), bytes) and len(id_key(uid)) == 16
+    others = ["step-1", "", "0" * 32, uid.upper()]  # the last two parse as UUIDs but are not written as ours
+    assert [id_key(v) for v in others] == others
+    lru: LRU = LRU(10)
+    for v in [uid, *others]:
+        lru.put(id_key(v), v)
+    assert [lru[id_key(v)] for v in [uid, *others]] == [uid, *others]
+
+
+def test_content_keys_separate_tenants():
+    assert content_key("acme", "h" * 64) != content_key("other", "h" * 64)
+    assert content_key("acme", "h" * 64) == content_key("acme", "h" * 64) and len(content_key("a", "b")) == 16
