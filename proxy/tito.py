@@ -145,8 +145,10 @@ async def complete(http: aiohttp.ClientSession, base_url: str, headers: dict[str
     ids = continuation_ids(parent_ids, hist_ids, full_ids)
     gen_req = {**full, "token_ids": ids, "stream": False, "stream_options": None, "token_offsets": None}
     params = dict(gen_req.get("sampling_params") or {})
-    # The engine sized the default budget for the rendered prompt; keep prompt + output within it.
-    if isinstance(params.get("max_tokens"), int) and len(ids) > len(full_ids):
+    # Without a client budget the engine sized the default for the rendered prompt: keep prompt + output
+    # within it. A budget the client set is the client's: kept as asked.
+    asked = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+    if not asked and isinstance(params.get("max_tokens"), int) and len(ids) > len(full_ids):
         params["max_tokens"] = max(1, params["max_tokens"] - (len(ids) - len(full_ids)))
     gen_req["sampling_params"] = params
     gen = await _post(http, base_url + "/inference/v1/generate", gen_req, headers, "generate")
