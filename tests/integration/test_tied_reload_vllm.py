@@ -10,6 +10,7 @@ scored with the trained body and the *base* head (what a stale engine computes) 
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from proxy.demo.model_zoo import chat_template
 from proxy.demo.vllm import VLLMServer
 from tests.integration.test_trainer_vllm import PLAIN_FP32_BOUND_NATS, _sample_steps
 from tests.trainer_tiny import build_tiny_llama
@@ -31,10 +33,13 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def tied_server(vllm_python, tmp_path_factory):
     base = build_tiny_llama(tmp_path_factory.mktemp("tied") / "base", seed=0, tied=True)
+    config = base / "tokenizer_config.json"  # chat requests need a template; the trainer's tiny has none
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": chat_template()}))
     with VLLMServer(
         python=vllm_python,
         model_dir=base,
         served_name="tied",
+        max_model_len=512,  # the tiny config's max_position_embeddings
         ready_timeout=float(os.environ.get("ATDP_VLLM_START_TIMEOUT", "600")),
     ) as server:
         yield server, base
