@@ -6,6 +6,8 @@ head's GEMM (oneDNN / AMX), so a checkpoint without `lm_head.weight` left the en
 with the previous version's head (SmolLM2 on an AMX Xeon: 0.16 nats median off). On CPUs where the
 kernel reads the weight in place the old checkpoint happened to work. The control: the same tokens
 scored with the trained body and the *base* head (what a stale engine computes) are further off.
+Measured on an AMX Xeon: served 0.0008 nats median off the trained model, 0.0073 off the control;
+with the old writer (no `lm_head.weight`) the engine matched the control (0.0008) instead (0.0078).
 """
 
 from __future__ import annotations
