@@ -31,6 +31,8 @@ _WEIGHT_SUFFIXES = (
     ".bin.index.json",
 )
 MAX_SHARD_BYTES = 4 * 1024**3
+# The input embeddings a tied LM head shares (Llama/Mistral/Qwen layout).
+_EMBED_KEY = "model.embed_tokens.weight"
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -96,21 +98,18 @@ def _fsync(path: Path) -> None:
 
 
 def _prepare(state: dict[str, torch.Tensor], dtype: DType, tied: bool) -> dict[str, torch.Tensor]:
-    """Cast floats to dtype, drop a tied LM head, make every tensor its own contiguous storage."""
+    """Cast floats to dtype, write a tied LM head out, make every tensor its own contiguous storage."""
     target = TORCH_DTYPES[dtype]
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
         out[key] = (t.to(target) if t.is_floating_point() else t).contiguous()
-    if tied:
-        # The HF loader re-ties lm_head to the embeddings; saving both would duplicate the tensor.
-        for key in [k for k in out if k.endswith("lm_head.weight")]:
-            twins = [
-                k
-                for k in out
-                if k != key and out[k].shape == out[key].shape and torch.equal(out[k], out[key])
-            ]
-            if twins:  # the input embeddings it is tied to
-                del out[key]
+    if tied and "lm_head.weight" not in out and _EMBED_KEY in out:
+        # Keep the tied LM head in the file. vLLM's in-place reload (`reload_weights`, and the NCCL
+        # update) re-runs a layer's kernel preparation only for layers whose weights arrive: without
+        # `lm_head.weight` the LM head keeps the GEMM it pre-packed from the previous weights (oneDNN
+        # on AVX-512/AMX CPUs) and the engine serves old logits on new hidden states. vLLM's loader
+        # skips the alias on a fresh start and HF re-ties it, so the copy costs only disk.
+        out["lm_head.weight"] = out[_EMBED_KEY]
     # safetensors refuses tensors sharing memory: give any alias its own copy.
     seen: set[int] = set()
     for key, t in out.items():
