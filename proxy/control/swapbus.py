@@ -196,8 +196,13 @@ class SwapBus:
 
     @contextlib.asynccontextmanager
     async def driving(self):
-        """Hold the driver lock for a swap; SwapBusy when another proxy holds it."""
-        conn = await self._connect()
+        """Hold the driver lock for a swap; SwapBusy when another proxy holds it, a 503 when the database
+        cannot be reached (nothing was touched: the caller may try again)."""
+        try:
+            conn = await self._connect()
+        except psycopg.OperationalError:
+            raise ApiError(503, "the database is unavailable, so the swap was not started; try again shortly",
+                           headers={"retry-after": "5"}) from None
         try:
             if not (await (await conn.execute("SELECT pg_try_advisory_lock(%s)", (DRIVER_KEY,))).fetchone())[0]:
                 raise SwapBusy()
