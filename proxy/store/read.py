@@ -11,16 +11,30 @@ from sqlalchemy.orm import Session
 from atdp_schema import models as m
 from proxy.store import tables as t
 from proxy.store.rewards import combine_rewards
+from proxy.store.texts import ENCODED_KINDS, all_refs, decode
 from proxy.store.tokens import rebuild_prompt_ids
 
 
 def load_contents(s: Session, tenant: str, hashes: set[str]) -> dict[str, Any]:
+    """Bodies by hash, as written: long texts a body refers to (proxy.store.texts) read back in place."""
     if not hashes:
         return {}
     rows = s.execute(
-        select(t.Content.hash, t.Content.body).where(t.Content.tenant_id == tenant, t.Content.hash.in_(hashes))
+        select(t.Content.hash, t.Content.kind, t.Content.body)
+        .where(t.Content.tenant_id == tenant, t.Content.hash.in_(hashes))
     ).all()
-    return {h: body for h, body in rows}
+    out = {h: body for h, kind, body in rows if kind not in ENCODED_KINDS}
+    encoded = [(h, body) for h, kind, body in rows if kind in ENCODED_KINDS]
+    wanted = all_refs(b for _, b in encoded)
+    texts = {h: out[h] for h in wanted if h in out}
+    missing = wanted - texts.keys()
+    if missing:
+        texts.update(s.execute(
+            select(t.Content.hash, t.Content.body)
+            .where(t.Content.tenant_id == tenant, t.Content.hash.in_(missing))
+        ).all())
+    out.update((h, decode(body, texts)) for h, body in encoded)
+    return out
 
 
 def _ref(h: str | None, contents: dict[str, Any]) -> m.ContentRef | None:
