@@ -6,7 +6,8 @@ A tool result was stored as its own content and again inside the tool message; a
 the action (`text` and the native `output` message) and again in the assistant message the agent
 echoes. From this revision the writer stores a string of 256+ characters of a `message` or `output`
 body as a reference (U+E000 "@" hash) to a `contents` row holding that string (kind `text`, or the
-tool result / system prompt row that is the same string). `atdp_content(tenant, kind, body)` reads a
+tool result / system prompt row that is the same string), and an output's native message as a
+reference to a `message` row (the one the agent's echo of it refers to, when it is the same). `atdp_content(tenant, kind, body)` reads a
 stored body back as written; `atdp_steps_readable` reads outputs through it (same columns).
 
 Existing rows keep their whole bodies (they read the same: the writer's keyed hashes cannot be
@@ -27,7 +28,8 @@ depends_on: str | Sequence[str] | None = None
 
 ENCODED = "('message', 'output')"
 
-# A body of an encoded kind, as written: "\ue000@<hash>" -> that text row's body (NULL when gone),
+# A body of an encoded kind, as written: "\ue000@<hash>" -> that row's body, read the same way (JSON
+# null when gone),
 # "\ue000<s>" -> "<s>" (an escaped string). Bodies without U+E000 anywhere are returned untouched
 # (one strpos on the text form: most rows).
 CONTENT_FN = r"""
@@ -44,8 +46,8 @@ BEGIN
         IF left(s, 1) <> chr(57344) THEN
             RETURN body;
         ELSIF substr(s, 2, 1) = '@' THEN
-            RETURN coalesce((SELECT c.body FROM contents c WHERE c.tenant_id = tenant AND c.hash = substr(s, 3)),
-                            'null'::jsonb);
+            RETURN coalesce((SELECT atdp_content(c.tenant_id, c.kind, c.body) FROM contents c
+                              WHERE c.tenant_id = tenant AND c.hash = substr(s, 3)), 'null'::jsonb);
         END IF;
         RETURN to_jsonb(substr(s, 2));
     WHEN 'object' THEN
@@ -105,8 +107,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute(f"UPDATE contents SET body = atdp_content(tenant_id, kind, body) WHERE kind IN {ENCODED} "
                "AND strpos(body::text, chr(57344)) > 0")
-    # Text rows nothing refers to any more (a tool result or system prompt that was one stays).
-    op.execute("DELETE FROM contents c WHERE c.kind = 'text' "
+    # Rows only bodies referred to (texts, outputs' native messages no step echoed): a tool result,
+    # system prompt or message a step refers to stays.
+    op.execute("DELETE FROM contents c WHERE c.kind IN ('text', 'message') "
                "AND NOT EXISTS (SELECT 1 FROM steps st WHERE st.tenant_id = c.tenant_id AND ("
                "  st.system_hash = c.hash OR st.tools_hash = c.hash OR st.output_hash = c.hash"
                "  OR c.hash = ANY(st.message_hashes))) "

@@ -114,18 +114,20 @@ def _delete_orphan_contents(s: Session, tenant: str, hashes: list[str]) -> tuple
     """Delete those of `hashes` no remaining step or tool call of the tenant references, then the long
     texts the deleted bodies referred to that nothing refers to any more. Returns (rows deleted, the
     text hashes checked)."""
-    n, texts = 0, set()
-    for i in range(0, len(hashes), 1000):
-        gone = s.execute(text(ORPHANS + " RETURNING c.kind, c.body"),
-                         {"tenant": tenant, "hashes": hashes[i : i + 1000]}).all()
-        n += len(gone)
-        texts |= all_refs(body for kind, body in gone if kind in ENCODED_KINDS)
-    if texts:
-        live = set(s.scalars(text(REFERRED), {"tenant": tenant}))
-        candidates = sorted(texts - live)
-        for i in range(0, len(candidates), 1000):
-            n += s.execute(text(ORPHANS), {"tenant": tenant, "hashes": candidates[i : i + 1000]}).rowcount
-    return n, sorted(texts)
+    n, checked, batch, live = 0, set(), hashes, None
+    while batch:  # an output refers to its native message, which refers to texts: two rounds at most
+        refs: set[str] = set()
+        for i in range(0, len(batch), 1000):
+            gone = s.execute(text(ORPHANS + " RETURNING c.kind, c.body"),
+                             {"tenant": tenant, "hashes": batch[i : i + 1000]}).all()
+            n += len(gone)
+            refs |= all_refs(body for kind, body in gone if kind in ENCODED_KINDS)
+        refs -= checked
+        checked |= refs
+        if refs:
+            live = set(s.scalars(text(REFERRED), {"tenant": tenant}))
+        batch = sorted(refs - (live or set()))
+    return n, sorted(checked)
 
 
 def tombstone(s: Session, tenant: str, external_id: str | None) -> None:

@@ -242,13 +242,13 @@ class Preparer:
             tenant = st.session.tenant
             contents: list[ContentRow] = []
             counts_of: dict[str, dict[str, int]] = {}
-            texts: dict[str, str] = {}
+            texts: dict[str, tuple[str, Any, int]] = {}
             for h, (kind, value) in refs["items"].items():
                 if (tenant, h) in redacted:
                     body, counts = redacted[(tenant, h)][:2]
                     stored = body
                     if kind in ENCODED_KINDS:  # long strings by reference (proxy.store.texts)
-                        stored, found = encode(body, self._text_key)
+                        stored, found = encode(body, self._text_key, kind)
                         texts.update(found)
                     contents.append(ContentRow(hash=h, kind=kind, body=stored, size=len(canonical(value)),
                                                redaction=dict(counts), encoded=kind in ENCODED_KINDS))
@@ -256,11 +256,11 @@ class Preparer:
                     if kind == "output":
                         self._outputs.put((tenant, h), body)
                 counts_of[h] = dict(self._known.get(content_key(tenant, h), ()))
-            # The texts those bodies refer to, each once: a text that is this step's own content (a tool
-            # result, the system prompt) or one stored before is that row already.
-            for h, value in texts.items():
+            # The rows those bodies refer to, each once: one that is this step's own content (a tool
+            # result, the system prompt) or was stored before is that row already.
+            for h, (kind, value, size) in texts.items():
                 if h not in refs["items"] and content_key(tenant, h) not in self._known:
-                    contents.append(ContentRow(hash=h, kind="text", body=value, size=len(canonical(value))))
+                    contents.append(ContentRow(hash=h, kind=kind, body=value, size=size, encoded=kind in ENCODED_KINDS))
                     self._known.put(content_key(tenant, h), ())
             for h in refs["extras"]:
                 counts_of[h] = self._side_value(tenant, h)[1]
@@ -325,9 +325,9 @@ class Preparer:
             retention=retention_until(st.started_at, policy), params=params, error=error,
         )
 
-    def _text_key(self, value: str) -> str:
-        """A long text's key: the keyed hash of the (redacted) string, which is the key of a tool
-        result or system prompt that is the same clean string, so those rows are shared."""
+    def _text_key(self, value: Any) -> str:
+        """A referred row's key: the keyed hash of the (redacted) value, which is the key of a tool
+        result, system prompt or echoed message that is the same clean value, so those rows are shared."""
         return content_hash(self.secret, value)
 
     def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:

@@ -16,25 +16,25 @@ from proxy.store.tokens import rebuild_prompt_ids
 
 
 def load_contents(s: Session, tenant: str, hashes: set[str]) -> dict[str, Any]:
-    """Bodies by hash, as written: long texts a body refers to (proxy.store.texts) read back in place."""
-    if not hashes:
-        return {}
-    rows = s.execute(
-        select(t.Content.hash, t.Content.kind, t.Content.body)
-        .where(t.Content.tenant_id == tenant, t.Content.hash.in_(hashes))
-    ).all()
-    out = {h: body for h, kind, body in rows if kind not in ENCODED_KINDS}
-    encoded = [(h, body) for h, kind, body in rows if kind in ENCODED_KINDS]
-    wanted = all_refs(b for _, b in encoded)
-    texts = {h: out[h] for h in wanted if h in out}
-    missing = wanted - texts.keys()
-    if missing:
-        texts.update(s.execute(
-            select(t.Content.hash, t.Content.body)
-            .where(t.Content.tenant_id == tenant, t.Content.hash.in_(missing))
-        ).all())
-    out.update((h, decode(body, texts)) for h, body in encoded)
-    return out
+    """Bodies by hash, as written: rows a body refers to (proxy.store.texts) read back in place."""
+    rows: dict[str, tuple[str, Any]] = {}
+    wanted = set(hashes)
+    while wanted:  # references go at most two deep (an output's message, its texts)
+        fetched = s.execute(
+            select(t.Content.hash, t.Content.kind, t.Content.body)
+            .where(t.Content.tenant_id == tenant, t.Content.hash.in_(wanted))
+        ).all()
+        rows.update((h, (kind, body)) for h, kind, body in fetched)
+        wanted = all_refs(body for _, kind, body in fetched if kind in ENCODED_KINDS) - rows.keys()
+    done: dict[str, Any] = {}
+
+    def read(h: str) -> Any:
+        if h not in done:
+            kind, body = rows.get(h, (None, None))
+            done[h] = decode(body, read) if kind in ENCODED_KINDS else body
+        return done[h]
+
+    return {h: read(h) for h in hashes if h in rows}
 
 
 def _ref(h: str | None, contents: dict[str, Any]) -> m.ContentRef | None:

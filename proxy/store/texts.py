@@ -5,7 +5,8 @@ times (the action's `text`, the native message in `output`, the assistant messag
 next turn): the same string in different envelopes, so content addressing of whole values missed
 it. Bodies of ENCODED_KINDS keep each string of MIN_CHARS or more as a reference, `MARK + "@" +
 hash`, to a `contents` row whose body is that string (kind `text`; a tool result or system prompt
-that is that string already is that row: same keyed hash). U+E000 (a private-use character) starts
+that is that string already is that row: same keyed hash), and an output's native message as a
+reference to a `message` row (the echo of it next turn, when it is the same, is that row). U+E000 (a private-use character) starts
 every reference; a stored string that starts with it is escaped by one more, so any body decodes
 exactly. SQL readers use `atdp_content(tenant, kind, body)` (migration 0013), the same rules.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from proxy.store.content import canonical
 
 MARK = "\ue000"
 REF = MARK + "@"
@@ -26,10 +29,13 @@ def escape(value: Any) -> Any:
     return encode(value, None)[0]
 
 
-def encode(value: Any, key: Callable[[str], str] | None) -> tuple[Any, dict[str, str]]:
-    """(stored form, {hash: text} of the texts it refers to). `key` hashes a text (None: escape only).
-    A top-level string is never replaced: a body that is one string is itself a text row."""
-    texts: dict[str, str] = {}
+def encode(value: Any, key: Callable[[Any], str] | None, kind: str = "message"
+           ) -> tuple[Any, dict[str, tuple[str, Any, int]]]:
+    """(stored form, {hash: (kind, stored body, size)} of the rows it refers to). `key` hashes a value
+    (None: escape only). A top-level string is never replaced: a body that is one string is itself a
+    text row. An output's native message (`output`, the assistant turn the agent echoes next call) is
+    a `message` row of its own, so the echo is the same row."""
+    rows: dict[str, tuple[str, Any, int]] = {}
 
     def walk(v: Any, top: bool) -> Any:
         if isinstance(v, str):
@@ -37,7 +43,7 @@ def encode(value: Any, key: Callable[[str], str] | None) -> tuple[Any, dict[str,
                 return MARK + v
             if key is not None and not top and len(v) >= MIN_CHARS:
                 h = key(v)
-                texts[h] = v
+                rows[h] = ("text", v, len(canonical(v)))
                 return REF + h
             return v
         if isinstance(v, dict):
@@ -46,7 +52,12 @@ def encode(value: Any, key: Callable[[str], str] | None) -> tuple[Any, dict[str,
             return [walk(x, False) for x in v]
         return v
 
-    return walk(value, True), texts
+    if key is not None and kind == "output" and isinstance(value, dict) and isinstance(value.get("output"), dict):
+        native = value["output"]
+        h = key(native)
+        rows[h] = ("message", walk(native, False), len(canonical(native)))
+        return {k: (REF + h if k == "output" else walk(x, False)) for k, x in value.items()}, rows
+    return walk(value, True), rows
 
 
 def refs(value: Any) -> set[str]:
@@ -68,16 +79,17 @@ def refs(value: Any) -> set[str]:
     return out
 
 
-def decode(value: Any, texts: dict[str, Any]) -> Any:
-    """A stored body back as it was written; a reference whose text is gone reads as None."""
+def decode(value: Any, lookup: Callable[[str], Any]) -> Any:
+    """A stored body back as it was written; `lookup(hash)` gives a referred row's body, read back
+    (None when it is gone)."""
     if isinstance(value, str):
         if not value.startswith(MARK):
             return value
-        return texts.get(value[len(REF):]) if value.startswith(REF) else value[1:]
+        return lookup(value[len(REF):]) if value.startswith(REF) else value[1:]
     if isinstance(value, dict):
-        return {k: decode(x, texts) for k, x in value.items()}
+        return {k: decode(x, lookup) for k, x in value.items()}
     if isinstance(value, list):
-        return [decode(x, texts) for x in value]
+        return [decode(x, lookup) for x in value]
     return value
 
 

@@ -19,7 +19,7 @@ from proxy.store import db
 from proxy.store import tables as t
 from proxy.store.ids import new_id
 from proxy.store.read import load_contents, session_document
-from proxy.store.texts import MARK
+from proxy.store.texts import MARK, REF
 from proxy.store.write import write_steps
 
 THOUGHT = "I will read the parser module first, then run the failing test to see the traceback. " * 4
@@ -80,8 +80,11 @@ def _rows_holding(s, tenant: str, needle: str) -> int:
 
 def test_each_long_text_is_one_row_and_reads_back(factory, tenant, redactor):
     steps = _turns(tenant, "s-once", RESULT)
-    _write(factory, redactor, steps)
+    first, second = _write(factory, redactor, steps)
     with factory() as s:
+        # The output's native message is the row the agent's echo of it (next call) refers to.
+        output = s.scalar(select(t.Content.body).where(t.Content.tenant_id == tenant, t.Content.hash == first.output_hash))
+        assert output["output"] == REF + second.message_hashes[0]
         # The thought was in the action twice and in the echoed message; the result in its own content
         # and in the tool message: one row each now.
         assert _rows_holding(s, tenant, THOUGHT[:80]) == 1
