@@ -123,6 +123,7 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
     from proxy.store.tokens import unrle
 
     url, drop = scratch_database()
+    server = thread = None
     try:
         with tempfile.TemporaryDirectory() as home:
             settings = Settings(home=Path(home), database_url=url, upstream_urls=[engine.base_url], open_mode=True,
@@ -131,7 +132,8 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
                                 checkpoint_roots=[Path("/")])
             app = create_app(settings, redactor=Redactor(RedactionConfig(salt=b"bench")))
             server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
-            threading.Thread(target=server.run, daemon=True).start()
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
             proxy = f"http://127.0.0.1:{settings.port}"
             if not app.state.versions.ready.wait(120):
                 raise SystemExit("the proxy did not load its versions")
@@ -143,8 +145,13 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
                 """One swap to the other checkpoint; a failed one (502, the old version serves) is counted."""
                 nonlocal k
                 t0 = time.perf_counter()
-                r = client.post(proxy + "/atdp/v1/versions", headers=HEADERS,
-                                json={"checkpoint": str(dirs[1 - k]), "name": names[1 - k], "promote": "now"})
+                for _ in range(5):  # a 503 (the database did not answer in time: nothing was touched) is retried
+                    r = client.post(proxy + "/atdp/v1/versions", headers=HEADERS,
+                                    json={"checkpoint": str(dirs[1 - k]), "name": names[1 - k], "promote": "now"})
+                    if r.status_code != 503:
+                        break
+                    print(f"swap answered 503 ({r.text[:120]}); again", file=sys.stderr, flush=True)
+                    time.sleep(float(r.headers.get("retry-after", "5")))
                 if r.status_code not in (200, 502) or "swap" not in r.json():
                     raise SystemExit(f"swap refused: {r.status_code} {r.text[:300]}")
                 out = {"client_s": time.perf_counter() - t0, "t1": time.monotonic(), **r.json()["swap"]}
@@ -164,8 +171,13 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
             state.recorder.flush(60)
             with state.factory() as s:
                 steps = {st.id: st for st in s.scalars(select(t.Step))}
-            server.should_exit = True
     finally:
+        # The proxy stops before its database goes (DROP ... WITH (FORCE) under a running proxy
+        # made its writer and swap bus fail noisily after an earlier error).
+        if server is not None:
+            server.should_exit = True
+        if thread is not None:
+            thread.join(60)
         drop()
 
     timeline: Timeline = loaded.pop("timeline")
