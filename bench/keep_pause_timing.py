@@ -9,7 +9,7 @@ answered and when the request ended (seconds from the request's start). A poller
 while the engine generates. Whether the update landed mid-request: the request's `weight_versions`
 (generate path) name two versions.
 
-  python bench/keep_pause_timing.py [--trials 3] [--tokens 1200] [--delay 0.5] [--path generate|chat]
+  python bench/keep_pause_timing.py [--trials 3] [--tokens 1200] [--delay 0.5] [--path generate|chat] [--no-warmup]
 """
 
 from __future__ import annotations
@@ -97,13 +97,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1200)
     p.add_argument("--delay", type=float, default=0.5)
     p.add_argument("--path", choices=("generate", "chat"), default="generate")
+    p.add_argument("--no-warmup", action="store_true", help="the first trial is the engine's first request")
     args = p.parse_args()
     weights = [cached_tiny_model(seed=1), cached_tiny_model(seed=0)]
     server = VLLMServer(python=find_vllm_python() or sys.exit("no vLLM environment"), model_dir=weights[1],
                         served_name="tiny", env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")})
     print(f"load average {os.getloadavg()}", flush=True)
     with server:
-        long_request(server.base_url, args.path, 16, {})  # warm-up
+        if not args.no_warmup:
+            long_request(server.base_url, args.path, 16, {})
         for i in range(args.trials):
             res = trial(server.base_url, weights[i % 2], f"v{i + 1}", args)
             print(json.dumps(res), flush=True)

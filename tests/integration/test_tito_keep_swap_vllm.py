@@ -84,11 +84,12 @@ def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_re
                 time.sleep(0.005)
             # The long call is generating once the engine has counted some of its tokens (nothing else
             # generates on the test engine now); then the engine is frozen where it is.
-            base = _generated(engine)
-            while _generated(engine) < base + 16 and worker.is_alive():
+            base = seen = _generated(engine)
+            while seen < base + 16 and worker.is_alive():
                 assert time.monotonic() < deadline, "the engine counted no generated tokens for 120 s"
                 time.sleep(0.01)
-            paused_at = time.monotonic()
+                seen = _generated(engine)
+            paused_at, counted = time.monotonic(), seen - base
             httpx.post(engine + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
             new, old = f"v{attempt + 1}", replica.version
             swap_t0 = time.monotonic()
@@ -106,8 +107,8 @@ def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_re
                 assert step is not None and step.prompt_path == "tito"
                 versions, stored = unrle(step.output_versions), step.output_versions
                 n_ids, eligibility, reason = len(step.output_token_ids), step.eligibility, step.eligibility_reason
-            print(f"attempt {attempt + 1}: call -{swap_t0 - result['t0']:.2f} .. +{result['t1'] - swap_t0:.2f} s, "
-                  f"engine paused at -{swap_t0 - paused_at:.2f} s, swap 0 .. {swap_t1 - swap_t0:.2f} s "
+            print(f"attempt {attempt + 1}: call {result['t0'] - swap_t0:+.2f} .. {result['t1'] - swap_t0:+.2f} s, "
+                  f"engine paused at {paused_at - swap_t0:+.2f} s ({counted:.0f} tokens counted), swap 0 .. {swap_t1 - swap_t0:.2f} s "
                   f"(window {swap['replicas'][0]['window_s']} s, routes {swap['replicas'][0]['routes_s']}); "
                   f"{stored}")
             if len(set(versions)) > 1:  # it generated across the update
