@@ -20,7 +20,8 @@ a poller reads the engine's `/weight_info` every few ms. Counted:
                  version while the label changed during the client's view of the call (an upper
                  bound: it includes a wait at a closed gate)
     spans        generate requests the engine reported with two versions, and tokens whose span
-                 names a version the engine did not serve during the request
+                 names a version the engine did not serve during the request (requests the
+                 poller's timeline does not bracket are counted apart, not as wrong)
 
   python bench/swap_latency.py [--modes keep,drain] [--swaps 10] [--load-swaps 4] [--out FILE]
 
@@ -275,12 +276,19 @@ def under_load(proxy: str, engine_url: str, swap, args) -> dict:
     stop.set()
     for th in threads:
         th.join(600)
-    time.sleep(0.1)  # a poll after the last call ends
+    # a poll after the last call ends (a loaded machine can delay the poller past a fixed wait)
+    last = max([c[2] for c in calls] + [sp["t"][1] for sp in spans], default=time.monotonic())
+    deadline = time.monotonic() + 10
+    while (not timeline.points or timeline.points[-1][0] < last) and time.monotonic() < deadline:
+        time.sleep(0.05)
     timeline.stop.set()
     for sp in spans:
-        sp["labels"] = timeline.labels(*sp["t"]) or set()
+        sp["labels"] = timeline.labels(*sp["t"])
     two = sum(1 for s in spans if len({x["version"] for x in s["spans"]}) > 1)
-    bad_span_tokens = sum(x["end"] - x["start"] for s in spans for x in s["spans"] if x["version"] not in s["labels"])
+    # A request the polls do not bracket (the loaded poller fell behind) is counted apart, not as wrong.
+    bad_span_tokens = sum(x["end"] - x["start"] for s in spans if s["labels"] is not None for x in s["spans"]
+                          if x["version"] not in s["labels"])
+    gen_unbracketed = sum(1 for s in spans if s["labels"] is None)
     uncovered = sum(1 for s in spans if sum(x["end"] - x["start"] for x in s["spans"]) != s["n"])
     return {"swaps": len(results), "swap_ok": sum(1 for r in results if r["ok"]),
             "swap_errors": [r["error"] for r in results if not r["ok"]],
@@ -289,7 +297,7 @@ def under_load(proxy: str, engine_url: str, swap, args) -> dict:
             "calls_ok": len(calls), "calls_failed": len(failures), "failures": failures[:5],
             "long_call_s": summary(long_s), "hold_timeout_s": args.hold_timeout,
             "generate_requests": len(spans), "generate_two_versions": two, "generate_span_tokens_wrong": bad_span_tokens,
-            "generate_spans_not_covering": uncovered, "calls": calls, "timeline": timeline}
+            "generate_spans_not_covering": uncovered, "generate_not_bracketed_by_polls": gen_unbracketed, "calls": calls, "timeline": timeline}
 
 
 def main() -> None:
