@@ -2,6 +2,13 @@
 engine reports which output tokens each weight version sampled (`WeightVersionSpan`), so the step
 that spans the update carries both versions exactly, as the engine reports them, and stays eligible
 (a chat-completions call in the same place is `version_ambiguous`: test_swap_keep_vllm.py).
+
+Where the update lands is not left to timing: the test waits until the engine's own counter of
+generated tokens shows the long call generating, freezes the engine there (`/pause?mode=keep`, as
+the proxy's swap does), then posts the swap, which pauses again, reloads, tags and resumes. Frozen,
+the call cannot end before the update; whether it had begun is read from the engine's spans (the
+stored step), and an attempt where it had not is tried again. The proxy's own timings are printed
+(`routes_s`, `window_s`): a swap that waited for the call shows there (docs/vllm-notes.md).
 """
 
 from __future__ import annotations
@@ -49,6 +56,12 @@ def _long_call(client: openai.OpenAI, session: str, result: dict) -> None:
         result["error"] = f"{type(e).__name__}: {e}"
 
 
+def _generated(base_url: str) -> float:
+    """The engine's count of generated tokens (Prometheus counter, updated as each step's output arrives)."""
+    text = httpx.get(base_url + "/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+
+
 def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_reports(
         start_proxy, vllm_server, tiny_model_dir_b, own_db) -> None:
     from tests.vllm_fixtures import swap_weights
@@ -58,11 +71,9 @@ def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_re
     assert proxy.versions.ready.wait(60)
     client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=300)
     replica = proxy.state.pool.replicas[0]
+    engine = vllm_server.base_url
     weights = [tiny_model_dir_b, vllm_server.model_dir]
     try:
-        # The engine says nothing while it generates (its gauges lag, and on 2 cores its HTTP server may
-        # answer only once generation ends), so the swap is sent a moment after the long call; an attempt
-        # whose swap was not done before the call ended is set-up, not a result: tried again, later.
         for attempt in range(5):
             result: dict = {}
             worker = threading.Thread(target=_long_call, args=(client, f"tito-keep-swap-{attempt}", result))
@@ -71,33 +82,47 @@ def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_re
             while "t0" not in result:
                 assert time.monotonic() < deadline and worker.is_alive(), result
                 time.sleep(0.005)
-            time.sleep(0.2 + 0.3 * attempt)  # render, render, then generate (~2-4 s for these tokens here)
+            # The long call is generating once the engine has counted some of its tokens (nothing else
+            # generates on the test engine now); then the engine is frozen where it is.
+            base = seen = _generated(engine)
+            while seen < base + 16 and worker.is_alive():
+                assert time.monotonic() < deadline, "the engine counted no generated tokens for 120 s"
+                time.sleep(0.01)
+                seen = _generated(engine)
+            paused_at, counted = time.monotonic(), seen - base
+            httpx.post(engine + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
             new, old = f"v{attempt + 1}", replica.version
             swap_t0 = time.monotonic()
             r = httpx.post(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=120,
                            json={"checkpoint": str(weights[attempt % 2]), "name": new, "promote": "now"})
             swap_t1 = time.monotonic()
             assert r.status_code == 200, r.text
-            assert r.json()["swap"]["replicas"][0]["mode"] == "keep"
+            swap = r.json()["swap"]
+            assert swap["ok"] and swap["replicas"][0]["mode"] == "keep", swap
             worker.join(300)
             assert "error" not in result and result["finish"] == "length", result
+            proxy.flush()
+            with factory() as s:
+                step = s.get(t.Step, result["step"])
+                assert step is not None and step.prompt_path == "tito"
+                versions, stored = unrle(step.output_versions), step.output_versions
+                n_ids, eligibility, reason = len(step.output_token_ids), step.eligibility, step.eligibility_reason
             print(f"attempt {attempt + 1}: call {result['t0'] - swap_t0:+.2f} .. {result['t1'] - swap_t0:+.2f} s, "
-                  f"swap 0 .. {swap_t1 - swap_t0:.2f} s")
-            if result["t1"] > swap_t1:  # still generating when the update was done: it spanned it
+                  f"engine paused at {paused_at - swap_t0:+.2f} s ({counted:.0f} tokens counted), swap 0 .. {swap_t1 - swap_t0:.2f} s "
+                  f"(window {swap['replicas'][0]['window_s']} s, routes {swap['replicas'][0]['routes_s']}); "
+                  f"{stored}")
+            if len(set(versions)) > 1:  # it generated across the update
                 break
+            # one version: the call had not begun generating, or had ended, when the engine froze
         else:
-            pytest.fail("the long call ended before every swap was done: the engine is too fast for this test")
+            pytest.fail(f"no attempt's call generated across the update (last: {stored})")
 
-        proxy.flush()
-        with factory() as s:
-            step = s.get(t.Step, result["step"])
-            assert step is not None and step.prompt_path == "tito"
-            versions = unrle(step.output_versions)
-            assert len(versions) == len(step.output_token_ids) == LONG_TOKENS
-            # exactly two runs, in order: the tokens sampled before the update, then after it
-            runs = [v for i, v in enumerate(versions) if i == 0 or versions[i - 1] != v]
-            assert runs == [old, new], step.output_versions
-            assert step.eligibility == Eligibility.eligible, step.eligibility_reason
-            print(f"spanning tito step (attempt {attempt + 1}): {step.output_versions}")
+        # exactly the tokens of both versions, in order, as the engine reported them
+        assert len(versions) == n_ids == LONG_TOKENS
+        runs = [v for i, v in enumerate(versions) if i == 0 or versions[i - 1] != v]
+        assert runs == [old, new], stored
+        assert versions.count(old) >= 16  # the engine had counted them before it froze
+        assert eligibility == Eligibility.eligible, reason
     finally:
-        swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
+        httpx.post(engine + "/resume", timeout=60)  # never leave the shared engine frozen
+        swap_weights(engine, vllm_server.model_dir, "base")
