@@ -244,10 +244,13 @@ def _deep_size(x: Any, depth: int = 0) -> int:
 _STEP_BASE = 1_200
 
 
-def held_bytes(step: CapturedStep) -> int:
+def held_bytes(step: Any) -> int:
     """About what holding this step costs the proxy, in bytes (what ATDP_WRITER_HOLD_MB bounds).
     Shared objects (a version string repeated per token, interned keys) are counted each time, so it
-    errs high (tests/unit/test_held_steps.py holds it to within 0.9-1.5x of tracemalloc's figure)."""
+    errs high (tests/unit/test_held_steps.py holds it to within 0.9-1.5x of tracemalloc's figure).
+    Anything else held for the writer (a sealed stored response) is walked as it is."""
+    if not isinstance(step, CapturedStep):
+        return _deep_size(step)
     n = _STEP_BASE + sys.getsizeof(step.prompt_token_ids) + sys.getsizeof(step.output_token_ids)
     n += sys.getsizeof(step.output_logprobs)
     for part in (step.system, step.tools, step.new_messages, step.tool_results, step.params, step.action,

@@ -121,3 +121,10 @@ def test_the_count_bound_refuses_too(tmp_path):
     assert wp.refusing() is None
     wp.submit(_step(plan))
     assert "5 answered steps" in (wp.refusing() or "")
+
+
+def test_a_sealed_response_is_sized_too():
+    from proxy.store.write import SealedResponse
+
+    sealed = SealedResponse(id="resp_1", tenant_id="acme", step_id=None, sealed=b"x" * 10_000, expires_at=None)
+    assert 10_000 < held_bytes(sealed) < 11_000
