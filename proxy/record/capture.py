@@ -32,7 +32,7 @@ class ToolCallOut:
 @dataclass
 class ChatCapture:
     prompt_token_ids: Sequence[int] = field(default_factory=list)
-    output_token_ids: array = field(default_factory=lambda: array("i"))
+    output_token_ids: array | list = field(default_factory=lambda: array("i"))
     output_logprobs: array = field(default_factory=lambda: array("f"))
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
@@ -193,12 +193,17 @@ class CapturedStep:
         self.output_logprobs = compact_logprobs(self.output_logprobs)
 
 
-def _extend_ids(ids: array, more: Sequence[int]) -> array:
-    try:
-        ids.extend(more)
-        return ids
-    except (OverflowError, TypeError):  # an id beyond 32 bits (no engine's vocabulary is): 64-bit from now
-        return array("q", [*ids, *more])
+def _extend_ids(ids: array | list, more: Sequence[int]) -> array | list:
+    if isinstance(ids, array):
+        n = len(ids)
+        try:
+            ids.extend(more)
+            return ids
+        except (OverflowError, TypeError):  # not 32-bit ints (no engine's are): kept as they came
+            del ids[n:]  # what the failed extend appended before it stopped
+            ids = ids.tolist()
+    ids.extend(more)
+    return ids
 
 
 def compact_ids(ids: Sequence[int]) -> Sequence[int]:

@@ -128,3 +128,10 @@ def test_a_sealed_response_is_sized_too():
 
     sealed = SealedResponse(id="resp_1", tenant_id="acme", step_id=None, sealed=b"x" * 10_000, expires_at=None)
     assert 10_000 < held_bytes(sealed) < 11_000
+
+
+def test_a_capture_keeps_ids_no_engine_would_send_as_they_came():
+    cap = ChatCapture()
+    for ids in ([1, 2], [3, 2**40], [None], [4]):
+        cap.feed_chunk({"id": "c", "model": "m", "choices": [{"index": 0, "delta": {}, "token_ids": ids}]})
+    assert list(cap.output_token_ids) == [1, 2, 3, 2**40, None, 4]
