@@ -230,14 +230,16 @@ def compact_logprobs(values: Sequence[float]) -> Sequence[float]:
         return values
 
 
+_LEAVES = (str, bytes, int, float, array, type(None))  # tuples, not `A | B`: built once, checked per object
+_SEQS = (list, tuple)
+
+
 def _deep_size(x: Any, depth: int = 0) -> int:
-    if isinstance(x, str | bytes | int | float | bool | array) or x is None:
-        return sys.getsizeof(x)
-    if depth > 32:  # a pathological nesting: count the container only
+    if isinstance(x, _LEAVES) or depth > 32:  # past 32 levels (pathological): the container only
         return sys.getsizeof(x)
     if isinstance(x, dict):
         return sys.getsizeof(x) + sum(_deep_size(k, depth + 1) + _deep_size(v, depth + 1) for k, v in x.items())
-    if isinstance(x, list | tuple):
+    if isinstance(x, _SEQS):
         return sys.getsizeof(x) + sum(_deep_size(v, depth + 1) for v in x)
     if hasattr(x, "__dict__"):
         return sys.getsizeof(x) + _deep_size(vars(x), depth + 1)
