@@ -25,9 +25,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 SIZES = """
-SELECT c.relname, pg_total_relation_size(c.oid), pg_indexes_size(c.oid)
+SELECT c.relname, pg_total_relation_size(c.oid), pg_indexes_size(c.oid),
+       coalesce(pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0)
   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
  WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+"""
+INDEXES = """
+SELECT i.indexrelid::regclass::text, pg_relation_size(i.indexrelid)
+  FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname = 'public' AND c.relname IN ('contents', 'steps', 'tool_calls')
 """
 PARTITIONED = """
 SELECT p.relname, sum(pg_total_relation_size(c.oid)), sum(pg_indexes_size(c.oid))
@@ -45,10 +51,12 @@ SELECT sum(pg_column_size(s.*)), sum(pg_column_size(prompt_token_ids)), sum(pg_c
 """
 
 
-def sizes(conn) -> dict[str, tuple[int, int]]:
-    out = {name: (int(total), int(idx)) for name, total, idx in conn.exec_driver_sql(SIZES)}
+def sizes(conn) -> dict[str, tuple[int, int, int]]:
+    """table -> (total, indexes, TOAST) bytes; heap = total - indexes - TOAST."""
+    out = {name: (int(total), int(idx), int(toast)) for name, total, idx, toast in conn.exec_driver_sql(SIZES)}
     for name, total, idx in conn.exec_driver_sql(PARTITIONED):
-        out[name] = (out.get(name, (0, 0))[0] + int(total), out.get(name, (0, 0))[1] + int(idx))
+        old = out.get(name, (0, 0, 0))
+        out[name] = (old[0] + int(total), old[1] + int(idx), old[2])
     return out
 
 
@@ -93,6 +101,7 @@ def main() -> int:
         with engine.connect() as c:
             c.exec_driver_sql("VACUUM ANALYZE")  # visibility maps and statistics, as autovacuum would leave them
             after = sizes(c)
+            index_sizes = dict(c.exec_driver_sql(INDEXES).all())
             kinds = c.exec_driver_sql(BY_KIND).all()
             columns = c.exec_driver_sql(STEP_COLUMNS).first()
             ids = c.exec_driver_sql(
@@ -104,18 +113,23 @@ def main() -> int:
         admin.dispose()
 
     n = args.sessions
-    grown = {k: (after[k][0] - before.get(k, (0, 0))[0], after[k][1] - before.get(k, (0, 0))[1]) for k in after}
+    grown = {k: tuple(a - b for a, b in zip(after[k], before.get(k, (0, 0, 0)), strict=True)) for k in after}
     total = sum(v[0] for v in grown.values())
     indexes = sum(v[1] for v in grown.values())
+    toast = sum(v[2] for v in grown.values())
     ids = int(ids or 0)
     goal = 1.5 * text + 4 * ids
     print(f"{n} sessions x {args.turns} turns; per session: unique text {text / n / 1024:.1f} KB, "
           f"stored token ids {ids / n:.0f}")
-    print(f"{'table':24} {'KB/session':>11} {'of which indexes':>17}")
-    for k, (tot, idx) in sorted(grown.items(), key=lambda kv: -kv[1][0]):
+    kb = n * 1024
+    print(f"{'table':24} {'KB/session':>11} {'heap':>8} {'TOAST':>8} {'indexes':>8}")
+    for k, (tot, idx, tst) in sorted(grown.items(), key=lambda kv: -kv[1][0]):
         if tot:
-            print(f"{k:24} {tot / n / 1024:>11.1f} {idx / n / 1024:>17.1f}")
-    print(f"{'total':24} {total / n / 1024:>11.1f} {indexes / n / 1024:>17.1f}")
+            print(f"{k:24} {tot / kb:>11.1f} {(tot - idx - tst) / kb:>8.1f} {tst / kb:>8.1f} {idx / kb:>8.1f}")
+    print(f"{'total':24} {total / kb:>11.1f} {(total - indexes - toast) / kb:>8.1f} {toast / kb:>8.1f} "
+          f"{indexes / kb:>8.1f}")
+    print("indexes (KB/session; an empty table's first pages included): " + ", ".join(
+        f"{name} {size / kb:.1f}" for name, size in sorted(index_sizes.items(), key=lambda kv: -kv[1])))
     print("contents by kind (KB/session): kind, rows, raw JSON, stored body, stored row")
     for kind, rows, raw, body, row in kinds:
         print(f"  {kind:12} {rows / n:>6.0f} {raw / n / 1024:>8.1f} {body / n / 1024:>8.1f} {row / n / 1024:>8.1f}")

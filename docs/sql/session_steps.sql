@@ -19,6 +19,7 @@ SELECT
 FROM atdp_steps_readable r
 LEFT JOIN tool_calls tc ON tc.step_id = r.step_id
 LEFT JOIN steps res ON res.id = tc.result_step_id
-LEFT JOIN contents rc ON rc.tenant_id = tc.tenant_id AND rc.hash = tc.result_hash
+LEFT JOIN LATERAL (SELECT atdp_content(c.tenant_id, c.kind, c.body) AS body FROM contents c
+                   WHERE c.tenant_id = tc.tenant_id AND c.hash = tc.result_hash) rc ON true
 WHERE r.tenant = :tenant AND r.session_id = :session_id
 ORDER BY r.seq, tc.call_id;

@@ -103,11 +103,14 @@ async def once_durable(state: AppState, external_id: str, step_id: str | None, l
     """`look()`; when it is a 404 for a session or step the proxy has answered but its writer has not
     written yet, wait for that write (bounded) and look again: feedback posted right after a
     response must not miss the step it is about."""
+    inflight = state.recorder.inflight
+    # Asked before looking: a write that commits while the lookup runs leaves the lookup's snapshot
+    # without the row and the in-flight set without the step, so asking only afterwards misses it.
+    held = inflight.holds(external_id, step_id)
     try:
         return await look()
     except ApiError as e:
-        inflight = state.recorder.inflight
-        if e.status != 404 or not inflight.holds(external_id, step_id):
+        if e.status != 404 or not (held or inflight.holds(external_id, step_id)):
             raise
     await asyncio.to_thread(inflight.wait, external_id, step_id, DURABLE_WAIT_S)
     return await look()

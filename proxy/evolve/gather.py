@@ -22,7 +22,8 @@ SELECT tc.tenant_id AS tenant, se.external_id AS session_id, se.task_id, tc.name
 FROM tool_calls tc
 JOIN steps st ON st.id = tc.step_id
 JOIN sessions se ON se.id = tc.session_id
-LEFT JOIN contents r ON r.tenant_id = tc.tenant_id AND r.hash = tc.result_hash
+LEFT JOIN LATERAL (SELECT atdp_content(c.tenant_id, c.kind, c.body) AS body FROM contents c
+                   WHERE c.tenant_id = tc.tenant_id AND c.hash = tc.result_hash) r ON true
 WHERE st.replay_of IS NULL AND se.started_at >= :since
   AND (CAST(:tenant AS text) IS NULL OR tc.tenant_id = :tenant)
 ORDER BY st.started_at DESC LIMIT :limit"""
@@ -80,7 +81,8 @@ WITH u AS MATERIALIZED (
     FROM tool_calls tc
     JOIN steps st ON st.id = tc.step_id
     JOIN sessions se ON se.id = tc.session_id
-    LEFT JOIN contents r ON r.tenant_id = tc.tenant_id AND r.hash = tc.result_hash
+    LEFT JOIN LATERAL (SELECT atdp_content(c.tenant_id, c.kind, c.body) AS body FROM contents c
+                       WHERE c.tenant_id = tc.tenant_id AND c.hash = tc.result_hash) r ON true
     WHERE st.replay_of IS NULL AND se.started_at >= :since
       AND (CAST(:tenant AS text) IS NULL OR tc.tenant_id = :tenant)
     ORDER BY st.started_at DESC LIMIT :limit
@@ -322,7 +324,8 @@ SELECT se.external_id AS session_id, tc.tenant_id AS tenant, se.task_id, tc.name
 FROM tool_calls tc
 JOIN steps st ON st.id = tc.step_id
 JOIN sessions se ON se.id = tc.session_id
-LEFT JOIN contents r ON r.tenant_id = tc.tenant_id AND r.hash = tc.result_hash
+LEFT JOIN LATERAL (SELECT atdp_content(c.tenant_id, c.kind, c.body) AS body FROM contents c
+                   WHERE c.tenant_id = tc.tenant_id AND c.hash = tc.result_hash) r ON true
 WHERE st.replay_of IS NULL AND se.started_at >= :since AND tc.name = :tool AND {where}
   AND (CAST(:tenant AS text) IS NULL OR tc.tenant_id = :tenant)
 ORDER BY st.started_at"""

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from proxy.store import tables as t
 from proxy.store.read import find_session
+from proxy.store.texts import ENCODED_KINDS, all_refs
 
 
 @dataclass
@@ -86,26 +87,47 @@ def _forget_sessions(s: Session, tenant: str, session_ids: list[str], out: Forgo
     ).rowcount
     out.steps += s.execute(delete(t.Step).where(t.Step.session_id.in_(session_ids))).rowcount
     out.sessions += s.execute(delete(t.Session).where(t.Session.id.in_(session_ids))).rowcount
-    out.contents += _delete_orphan_contents(s, tenant, sorted(hashes))
+    deleted, texts = _delete_orphan_contents(s, tenant, sorted(hashes))
+    out.contents += deleted
     out.step_ids.extend(step_ids)
-    out.content_hashes.extend(sorted(hashes))
+    out.content_hashes.extend(sorted(hashes) + texts)
 
 
-def _delete_orphan_contents(s: Session, tenant: str, hashes: list[str]) -> int:
-    """Delete those of `hashes` no remaining step or tool call of the tenant references."""
-    n = 0
-    for i in range(0, len(hashes), 1000):
-        n += s.execute(
-            text(
-                "DELETE FROM contents c WHERE c.tenant_id = :tenant AND c.hash = ANY(:hashes) "
-                "AND NOT EXISTS (SELECT 1 FROM steps st WHERE st.tenant_id = :tenant AND ("
-                "  st.system_hash = c.hash OR st.tools_hash = c.hash OR st.output_hash = c.hash"
-                "  OR c.hash = ANY(st.message_hashes))) "
-                "AND NOT EXISTS (SELECT 1 FROM tool_calls tc WHERE tc.tenant_id = :tenant AND tc.result_hash = c.hash)"
-            ),
-            {"tenant": tenant, "hashes": hashes[i : i + 1000]},
-        ).rowcount
-    return n
+ORPHANS = (
+    "DELETE FROM contents c WHERE c.tenant_id = :tenant AND c.hash = ANY(:hashes) "
+    "AND NOT EXISTS (SELECT 1 FROM steps st WHERE st.tenant_id = :tenant AND ("
+    "  st.system_hash = c.hash OR st.tools_hash = c.hash OR st.output_hash = c.hash"
+    "  OR c.hash = ANY(st.message_hashes))) "
+    "AND NOT EXISTS (SELECT 1 FROM tool_calls tc WHERE tc.tenant_id = :tenant AND tc.result_hash = c.hash)"
+)
+# The long texts (proxy.store.texts) that the tenant's remaining message and output bodies refer to,
+# among :hashes: one pass over the bodies that hold a reference at all.
+REFERRED = (
+    "SELECT DISTINCT substr(v #>> '{}', 3) FROM contents c "
+    "CROSS JOIN LATERAL jsonb_path_query(c.body, 'strict $.** ? (@ starts with $m)', "
+    "                                    jsonb_build_object('m', chr(57344) || '@')) AS v "
+    "WHERE c.tenant_id = :tenant AND c.kind IN ('message', 'output') AND strpos(c.body::text, chr(57344) || '@') > 0"
+)
+
+
+def _delete_orphan_contents(s: Session, tenant: str, hashes: list[str]) -> tuple[int, list[str]]:
+    """Delete those of `hashes` no remaining step or tool call of the tenant references, then the long
+    texts the deleted bodies referred to that nothing refers to any more. Returns (rows deleted, the
+    text hashes checked)."""
+    n, checked, batch, live = 0, set(), hashes, None
+    while batch:  # an output refers to its native message, which refers to texts: two rounds at most
+        refs: set[str] = set()
+        for i in range(0, len(batch), 1000):
+            gone = s.execute(text(ORPHANS + " RETURNING c.kind, c.body"),
+                             {"tenant": tenant, "hashes": batch[i : i + 1000]}).all()
+            n += len(gone)
+            refs |= all_refs(body for kind, body in gone if kind in ENCODED_KINDS)
+        refs -= checked
+        checked |= refs
+        if refs:
+            live = set(s.scalars(text(REFERRED), {"tenant": tenant}))
+        batch = sorted(refs - (live or set()))
+    return n, sorted(checked)
 
 
 def tombstone(s: Session, tenant: str, external_id: str | None) -> None:

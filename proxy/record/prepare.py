@@ -27,6 +27,7 @@ from proxy.lru import LRU, content_key, id_key
 from proxy.record.capture import CapturedStep
 from proxy.store import tables as t
 from proxy.store.content import canonical, content_hash
+from proxy.store.texts import ENCODED_KINDS, encode
 from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle, step_versions
 from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
 
@@ -241,15 +242,26 @@ class Preparer:
             tenant = st.session.tenant
             contents: list[ContentRow] = []
             counts_of: dict[str, dict[str, int]] = {}
+            texts: dict[str, tuple[str, Any, int]] = {}
             for h, (kind, value) in refs["items"].items():
                 if (tenant, h) in redacted:
                     body, counts = redacted[(tenant, h)][:2]
-                    contents.append(ContentRow(hash=h, kind=kind, body=body, size=len(canonical(value)),
-                                               redaction=dict(counts)))
+                    stored = body
+                    if kind in ENCODED_KINDS:  # long strings by reference (proxy.store.texts)
+                        stored, found = encode(body, self._text_key, kind)
+                        texts.update(found)
+                    contents.append(ContentRow(hash=h, kind=kind, body=stored, size=len(canonical(value)),
+                                               redaction=dict(counts), encoded=kind in ENCODED_KINDS))
                     self._known.put(content_key(tenant, h), tuple(counts.items()))  # () when clean: shared
                     if kind == "output":
                         self._outputs.put((tenant, h), body)
                 counts_of[h] = dict(self._known.get(content_key(tenant, h), ()))
+            # The rows those bodies refer to, each once: one that is this step's own content (a tool
+            # result, the system prompt) or was stored before is that row already.
+            for h, (kind, value, size) in texts.items():
+                if h not in refs["items"] and content_key(tenant, h) not in self._known:
+                    contents.append(ContentRow(hash=h, kind=kind, body=value, size=size, encoded=kind in ENCODED_KINDS))
+                    self._known.put(content_key(tenant, h), ())
             for h in refs["extras"]:
                 counts_of[h] = self._side_value(tenant, h)[1]
             out.append(self._record(st, refs, contents, counts_of))
@@ -312,6 +324,11 @@ class Preparer:
             tokens=tokens, prefix_len=prefix_len, redaction=report, eligibility=eligibility, reason=reason,
             retention=retention_until(st.started_at, policy), params=params, error=error,
         )
+
+    def _text_key(self, value: Any) -> str:
+        """A referred row's key: the keyed hash of the (redacted) value, which is the key of a tool
+        result, system prompt or echoed message that is the same clean value, so those rows are shared."""
+        return content_hash(self.secret, value)
 
     def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:
         """Drop what memory holds of forgotten steps and contents (all of a tenant's when hashes is None),

@@ -11,16 +11,30 @@ from sqlalchemy.orm import Session
 from atdp_schema import models as m
 from proxy.store import tables as t
 from proxy.store.rewards import combine_rewards
+from proxy.store.texts import ENCODED_KINDS, all_refs, decode
 from proxy.store.tokens import rebuild_prompt_ids
 
 
 def load_contents(s: Session, tenant: str, hashes: set[str]) -> dict[str, Any]:
-    if not hashes:
-        return {}
-    rows = s.execute(
-        select(t.Content.hash, t.Content.body).where(t.Content.tenant_id == tenant, t.Content.hash.in_(hashes))
-    ).all()
-    return {h: body for h, body in rows}
+    """Bodies by hash, as written: rows a body refers to (proxy.store.texts) read back in place."""
+    rows: dict[str, tuple[str, Any]] = {}
+    wanted = set(hashes)
+    while wanted:  # references go at most two deep (an output's message, its texts)
+        fetched = s.execute(
+            select(t.Content.hash, t.Content.kind, t.Content.body)
+            .where(t.Content.tenant_id == tenant, t.Content.hash.in_(wanted))
+        ).all()
+        rows.update((h, (kind, body)) for h, kind, body in fetched)
+        wanted = all_refs(body for _, kind, body in fetched if kind in ENCODED_KINDS) - rows.keys()
+    done: dict[str, Any] = {}
+
+    def read(h: str) -> Any:
+        if h not in done:
+            kind, body = rows.get(h, (None, None))
+            done[h] = decode(body, read) if kind in ENCODED_KINDS else body
+        return done[h]
+
+    return {h: read(h) for h in hashes if h in rows}
 
 
 def _ref(h: str | None, contents: dict[str, Any]) -> m.ContentRef | None:

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from atdp_schema.models import Eligibility
 from proxy.store import tables as t
 from proxy.store.copy import copy_rows, execute_many, int_array, jsonb, real_array, text_array
+from proxy.store.texts import ENCODED_KINDS, escape
 
 log = logging.getLogger("atdp.store")
 
@@ -32,6 +33,9 @@ class ContentRow:
     body: Any  # redacted
     size: int
     redaction: dict[str, int] = field(default_factory=dict)
+    # Body already in stored form (proxy.store.texts.encode); False (older spooled records, replay):
+    # a body of an encoded kind is escaped on write.
+    encoded: bool = False
 
 
 @dataclass
@@ -225,6 +229,8 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
         for c in r.contents:
             if (r.session.tenant_id, c.hash) not in rows:
                 body = pg_safe(c.body) if _has_nul(c.body) else c.body
+                if c.kind in ENCODED_KINDS and not c.encoded:
+                    body = escape(body)
                 rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, jsonb(body), c.size,
                                                        jsonb(c.redaction))
     if rows:

@@ -26,6 +26,7 @@ from atdp_schema.models import Eligibility, StepStatus, TokenSource
 from proxy.config import UpstreamRoute
 from proxy.governance.policy import PROVIDER_REASON
 from proxy.store import tables as t
+from proxy.store.read import load_contents
 from tests.provider_standins import ANSWER, start_anthropic, start_openai, token_count
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -79,9 +80,8 @@ def anthropic_sdk(proxy, **kw) -> anthropic.Anthropic:
 
 
 def output_of(factory, step: t.Step) -> dict[str, Any]:
-    with factory() as s:
-        return s.scalar(select(t.Content.body).where(t.Content.tenant_id == step.tenant_id,
-                                                     t.Content.hash == step.output_hash))
+    with factory() as s:  # as written (long texts and the native message are stored by reference)
+        return load_contents(s, step.tenant_id, {step.output_hash})[step.output_hash]
 
 
 def map_cost(model: str, prompt: int, completion: int) -> float:
