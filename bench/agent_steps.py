@@ -78,7 +78,7 @@ def session_steps(rng: random.Random, *, tenant: str, turns: int, start: datetim
                 "text": thought, "reasoning": None, "tool_calls": [{"id": call_id, "name": tool, "arguments": args}],
                 "output": native},
             prompt_token_ids=prompt_ids, output_token_ids=output_ids,
-            output_logprobs=[-rng.random() * 2 for _ in output_ids], output_tokens_text=["x"] * len(output_ids),
+            output_logprobs=[-rng.random() * 2 for _ in output_ids],
             finish_reason="tool_calls", status="ok", error=None, upstream="http://vllm:8000", model="agent",
             model_version="v1", ttft_ms=40.0, total_ms=900.0, prompt_tokens=len(prompt_ids),
             completion_tokens=len(output_ids), transcript_hash=f"{rng.getrandbits(256):064x}",

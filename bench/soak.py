@@ -11,12 +11,15 @@ to the upstream, the baseline for "added latency". At 40% of the run PostgreSQL 
 
 Reports: steps lost (answered with 200, never stored: must be 0), errors, RSS of the proxy and of
 the writer over time, and per window the p50/p99 latency through the proxy and direct, the added
-p99, the load average (mean and max of 10 s samples: the machine may be shared) and the incidents
-in it. Latency counts from when a request was due (open loop: no coordinated omission). Then the
-goals, each PASS or FAIL with its figures: RSS growth under 10% from the first window after the
-warm-up to the last (the proxy; each writer process that lived a warm-up and two windows, since the
-kill starts a new one), and a stable added p99 (no window without an incident over 2x the first one
-after the warm-up). With `ATDP_TRACEMALLOC_DIR` set, both processes also write heap snapshots
+p99, the load average (mean and max of 10 s samples: the machine may be shared), the incidents in
+it, the calls turned away with 503 while the writer lagged (ATDP_WRITER_HOLD_MB) and the most the
+proxy held for its writer (/healthz, every 10 s). Latency counts from when a request was due (open
+loop: no coordinated omission). Then the goals, each PASS or FAIL with its figures, and overall (the
+exit status is 0 only if all pass): 0 steps lost; RSS growth under 10% from the first window after
+the warm-up to the last (the proxy; each writer process that lived a warm-up and two windows, since
+the kill starts a new one); a stable added p99 (no window without an incident over 2x the first one
+after the warm-up). A call turned away with 503 is not a lost step: its client was told to retry.
+With `ATDP_TRACEMALLOC_DIR` set, both processes also write heap snapshots
 (proxy.memtrace) for `bench/memdiff.py`.
 """
 
@@ -166,11 +169,22 @@ def writer_pid(proxy_pid: int) -> int | None:
     return None
 
 
-def sampler(proxy_pid: int, stop: threading.Event, out: list[dict], t0: float, every: float) -> None:
+def held_now(health: str) -> tuple[int | None, float | None]:
+    """(steps, MB) the proxy holds for its writer, from /healthz; (None, None) when it did not answer."""
+    try:
+        writer = httpx.get(health, timeout=5).json()["writer"]
+        return writer.get("held"), writer.get("held_mb")
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None, None
+
+
+def sampler(proxy_pid: int, health: str, stop: threading.Event, out: list[dict], t0: float, every: float) -> None:
     while not stop.wait(every):
         w = writer_pid(proxy_pid)
-        out.append({"t": time.perf_counter() - t0, "proxy_mb": rss_mb(proxy_pid), "writer_pid": w,
-                    "writer_mb": rss_mb(w) if w else None, "load1": os.getloadavg()[0]})
+        sample = {"t": time.perf_counter() - t0, "proxy_mb": rss_mb(proxy_pid), "writer_pid": w,
+                  "writer_mb": rss_mb(w) if w else None, "load1": os.getloadavg()[0]}
+        sample["held"], sample["held_mb"] = held_now(health)
+        out.append(sample)
 
 
 def q(values: list[float], p: float) -> float | None:
@@ -210,7 +224,7 @@ def main() -> int:
     res, samples, events = Results(), [], []
     stop = threading.Event()
     t0 = time.perf_counter()
-    threading.Thread(target=sampler, args=(proxy_pid, stop, samples, t0, 10.0), daemon=True).start()
+    threading.Thread(target=sampler, args=(proxy_pid, health, stop, samples, t0, 10.0), daemon=True).start()
 
     def incidents() -> None:
         try:
@@ -265,11 +279,16 @@ def main() -> int:
         p = [ms for t, _, _, ms, st in res.proxy if lo <= t < hi and st == 200]
         d = [ms for t, _, ms, st in res.direct if lo <= t < hi and st == 200]
         loads = [s["load1"] for s in samples if lo <= s["t"] < hi]
+        held = [(s["held"], s.get("held_mb") or 0.0) for s in samples if lo <= s["t"] < hi and s["held"] is not None]
         w = {"from_s": lo, "to_s": min(hi, args.duration), "calls": len(p), "proxy_p50_ms": q(p, 0.5),
              "proxy_p99_ms": q(p, 0.99), "direct_p50_ms": q(d, 0.5), "direct_p99_ms": q(d, 0.99),
              "load_mean": round(statistics.mean(loads), 1) if loads else None,
              "load_max": round(max(loads), 1) if loads else None,
-             "incidents": [e["event"] for e in events if lo <= e["t"] < hi]}
+             "incidents": [e["event"] for e in events if lo <= e["t"] < hi],
+             # Backpressure: calls turned away (503) while the writer lagged past ATDP_WRITER_HOLD_MB.
+             "refused_503": sum(1 for t, *_, st in res.proxy if lo <= t < hi and st == 503),
+             "held_max": max((h for h, _ in held), default=None),
+             "held_mb_max": round(max((m for _, m in held), default=0.0), 1) if held else None}
         w["added_p99_ms"] = (w["proxy_p99_ms"] - w["direct_p99_ms"]) if p and d else None
         windows.append(w)
         k += 1
@@ -287,7 +306,10 @@ def main() -> int:
         writers.append({"pid": pid, "from_t": own[0][0], "to_t": own[-1][0], "judged": judged,
                         "rss": growth(own, own[0][0] + args.warmup, args.window)})
     lost = sorted(res.step_ids - stored)
-    criteria = judge(windows, proxy_rss, writers, args)
+    criteria = [{"criterion": "0 steps lost (every step answered 200 is in the database after the drain)",
+                 "measured": f"{len(lost)} of {len(res.step_ids)} not stored" + ("" if drained else
+                             f" (NOT DRAINED after {drain_s:.0f} s: not verified)"),
+                 "pass": drained and not lost}, *judge(windows, proxy_rss, writers, args)]
     summary = {
         "duration_s": args.duration, "rate": args.rate, "warmup_s": args.warmup, "window_s": args.window,
         "proxied_calls": len(res.proxy), "statuses": statuses,
@@ -312,8 +334,9 @@ def main() -> int:
     for w in writers:
         print(f"writer {w['pid']} (t {w['from_t']:.0f}-{w['to_t']:.0f} s) RSS {w['rss']}"
               + ("" if w["judged"] else " (not judged: too short after its warm-up)"))
-    print("| window | calls | proxy p50 / p99 (ms) | direct p50 / p99 (ms) | added p99 (ms) | load avg (mean / max) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| window | calls | proxy p50 / p99 (ms) | direct p50 / p99 (ms) | added p99 (ms) | load avg (mean / max) "
+          "| 503 (writer behind) | held for the writer, max steps / MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
@@ -322,11 +345,13 @@ def main() -> int:
         tag = f" ({'; '.join(w['incidents'])})" if w["incidents"] else ""
         print(f"| {w['from_s']:.0f}-{w['to_s']:.0f} s{tag} | {w['calls']} | {f(w['proxy_p50_ms'])} / "
               f"{f(w['proxy_p99_ms'])} | {f(w['direct_p50_ms'])} / {f(w['direct_p99_ms'])} | {f(w['added_p99_ms'])} | "
-              f"{f(w['load_mean'])} / {f(w['load_max'])} |")
+              f"{f(w['load_mean'])} / {f(w['load_max'])} | {w['refused_503']} | "
+              f"{'-' if w['held_max'] is None else w['held_max']} / {f(w['held_mb_max'])} |")
     for c in criteria:
         print(f"{'PASS' if c['pass'] else 'FAIL'}: {c['criterion']}: {c['measured']}")
-    print(f"wrote {args.out}")
-    return 0 if not lost else 1
+    verdict = all(c["pass"] for c in criteria)
+    print(f"{'PASS' if verdict else 'FAIL'} overall; wrote {args.out}")
+    return 0 if verdict else 1
 
 
 def judge(windows: list[dict], proxy_rss: dict | None, writers: list[dict], args: argparse.Namespace) -> list[dict]:

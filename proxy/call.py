@@ -324,7 +324,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         new_messages=call.new_messages, tool_results=call.tool_results, params=call.params,
         action=cap.action(native_output, tool_names), prompt_token_ids=cap.prompt_token_ids,
         output_token_ids=cap.output_token_ids, output_logprobs=cap.output_logprobs,
-        output_tokens_text=cap.output_tokens_text, finish_reason=cap.finish_reason, status=status, error=error,
+        finish_reason=cap.finish_reason, status=status, error=error,
         upstream=upstream or call.upstream_url, model=cap.model or call.model, model_version=call.version,
         ttft_ms=call.ttft_s * 1000 if call.ttft_s is not None else None, total_ms=total_s * 1000,
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, transcript_hash=transcript_hash,

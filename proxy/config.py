@@ -131,6 +131,10 @@ class Settings(BaseSettings):
     # --- the proxy ----------------------------------------------------------------------------------
     max_body_bytes: int = 32 * 1024 * 1024
     queue_size: int = 10_000
+    # What the proxy may hold for a lagging writer child, in MB of answered steps (capture.held_bytes).
+    # Past it (or past queue_size steps), new model calls get 503 with retry-after in their door's
+    # format until the writer catches up; past twice either, steps still finishing are spooled here.
+    writer_hold_mb: float = Field(default=64.0, gt=0)
     batch_size: int = 256
     flush_interval_s: float = 0.05
     writer_lag_s: float = 30.0  # /healthz is not ok while a step waits longer than this to be durable

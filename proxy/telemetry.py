@@ -36,6 +36,8 @@ WRITER_RESTARTS = Counter("atdp_writer_restarts_total", "Writer child processes 
                           registry=REGISTRY)
 WRITER_OLDEST = Gauge("atdp_writer_oldest_held_seconds", "Age of the oldest step answered but not yet durable",
                       registry=REGISTRY)
+WRITER_HELD_BYTES = Gauge("atdp_writer_held_bytes", "What the steps answered but not yet durable cost the proxy "
+                          "(estimate; ATDP_WRITER_HOLD_MB bounds it)", registry=REGISTRY)
 SPOOL_FAILING = Gauge("atdp_spool_failing", "1 while the spool cannot be written (new calls get 503)",
                       registry=REGISTRY)
 HEALTHY = Gauge("atdp_healthy", "1 when /healthz answers ok", registry=REGISTRY)
@@ -48,6 +50,7 @@ def render_metrics(recorder: Recorder | WriterProcess | None = None, lag_limit_s
         SPOOL_PENDING.set(1 if recorder.spool.pending() else 0)
         WRITER_UP.set(1 if health.alive else 0)
         WRITER_OLDEST.set(health.oldest_held_s)
+        WRITER_HELD_BYTES.set(health.held_bytes)
         SPOOL_FAILING.set(1 if health.spool_error else 0)
         HEALTHY.set(0 if health.problems else 1)
         # The writer counts its restarts; the Prometheus counter catches up with it here.

@@ -63,7 +63,7 @@ def _policy_response(tenant: str, policy: TenantPolicy) -> Response:
 
 
 def routes(state: AppState) -> list[Route]:
-    # The token guard (ATDP_TOKENIZER) is built with the recorder: proxy.record.writer_process.build_recorder.
+    # The token guard (ATDP_TOKENIZER) is built with the recorder: proxy.record.writer_child.build_recorder.
 
     async def get_policy(request: Request) -> Response:
         tenant = path_id(request, "tenant")

@@ -4,11 +4,17 @@
 reader the translated streams share) as they pass through the proxy and keeps
 the prompt token ids, output token ids, their logprobs and token strings, the assistant text,
 reasoning and tool calls, the finish reason and usage. Nothing is ever re-tokenized here.
-`CapturedStep` is the raw record of the call; it lives only in memory until redaction.
+`CapturedStep` is the raw record of the call; it lives only in memory until redaction. While the
+writer has not made it durable the proxy holds it, so its per-token data is kept compact: token ids
+as 32-bit machine ints, logprobs as 32-bit floats (what the store keeps, `real[]`), about 4 bytes a
+token where python lists of ints and floats cost 30-40; `held_bytes` is what that hold costs.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -25,10 +31,9 @@ class ToolCallOut:
 
 @dataclass
 class ChatCapture:
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_tokens_text: list[str] = field(default_factory=list)
+    prompt_token_ids: Sequence[int] = field(default_factory=list)
+    output_token_ids: array | list = field(default_factory=lambda: array("i"))
+    output_logprobs: array = field(default_factory=lambda: array("f"))
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, ToolCallOut] = field(default_factory=dict)
@@ -49,10 +54,9 @@ class ChatCapture:
             self.usage = part.usage
         if not part.has_choice:
             return
-        self.output_token_ids.extend(part.token_ids)
-        for item in part.logprobs:
-            self.output_logprobs.append(float(item.get("logprob", 0.0)))
-            self.output_tokens_text.append(item.get("token", ""))
+        self.output_token_ids = _extend_ids(self.output_token_ids, part.token_ids)
+        # The token strings beside each logprob are not kept: nothing downstream reads them.
+        self.output_logprobs.extend(float(item.get("logprob", 0.0)) for item in part.logprobs)
         if part.content:
             self.text.append(part.content)
         if part.reasoning:
@@ -150,10 +154,10 @@ class CapturedStep:
     tool_results: list[ToolResultIn]
     params: dict[str, Any]
     action: dict[str, Any]  # text / reasoning / tool_calls / output (client shape), raw
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    output_logprobs: list[float]
-    output_tokens_text: list[str]
+    # Held compact (`compact_ids`, `compact_logprobs`, in __post_init__): the writer reads them as sequences.
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    output_logprobs: Sequence[float]
     finish_reason: str | None
     status: str  # ok | error | aborted
     error: dict[str, Any] | None
@@ -182,6 +186,85 @@ class CapturedStep:
     # How the prompt was built: "tito" (the parent's exact ids + the new turn, proxy.tito),
     # "rendered" (the engine rendered the client's messages), None (a provider call).
     prompt_path: str | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = compact_ids(self.prompt_token_ids)
+        self.output_token_ids = compact_ids(self.output_token_ids)
+        self.output_logprobs = compact_logprobs(self.output_logprobs)
+
+
+def _extend_ids(ids: array | list, more: Sequence[int]) -> array | list:
+    if isinstance(ids, array):
+        n = len(ids)
+        try:
+            ids.extend(more)
+            return ids
+        except (OverflowError, TypeError):  # not 32-bit ints (no engine's are): kept as they came
+            del ids[n:]  # what the failed extend appended before it stopped
+            ids = ids.tolist()
+    ids.extend(more)
+    return ids
+
+
+def compact_ids(ids: Sequence[int]) -> Sequence[int]:
+    """Token ids as machine ints (4 bytes each; 8 for an id beyond 32 bits). Anything that is not
+    all ints is left as it is: the writer decides what such ids are worth, as before."""
+    if isinstance(ids, array):
+        return ids
+    try:
+        return array("i", ids)
+    except OverflowError:
+        return array("q", ids)
+    except TypeError:
+        return ids
+
+
+def compact_logprobs(values: Sequence[float]) -> Sequence[float]:
+    """Logprobs as 32-bit floats. The engine computes them in float32 and the store keeps `real[]`,
+    so the value written is the same bit for bit (a float32 read back as a double prints exactly)."""
+    if isinstance(values, array):
+        return values
+    try:
+        return array("f", values)
+    except TypeError:
+        return values
+
+
+_LEAVES = (str, bytes, int, float, array, type(None))  # tuples, not `A | B`: built once, checked per object
+_SEQS = (list, tuple)
+
+
+def _deep_size(x: Any, depth: int = 0) -> int:
+    if isinstance(x, _LEAVES) or depth > 32:  # past 32 levels (pathological): the container only
+        return sys.getsizeof(x)
+    if isinstance(x, dict):
+        return sys.getsizeof(x) + sum(_deep_size(k, depth + 1) + _deep_size(v, depth + 1) for k, v in x.items())
+    if isinstance(x, _SEQS):
+        return sys.getsizeof(x) + sum(_deep_size(v, depth + 1) for v in x)
+    if hasattr(x, "__dict__"):
+        return sys.getsizeof(x) + _deep_size(vars(x), depth + 1)
+    return sys.getsizeof(x)
+
+
+# The dataclass, its session, ids, times and counts: bench/held_step.py traces about 950 bytes beyond
+# what the walk below counts, at every step size; rounded up so the estimate errs on the high side.
+_STEP_BASE = 1_200
+
+
+def held_bytes(step: Any) -> int:
+    """About what holding this step costs the proxy, in bytes (what ATDP_WRITER_HOLD_MB bounds).
+    Shared objects (a version string repeated per token, interned keys) are counted each time, so it
+    errs high (tests/unit/test_held_steps.py holds it to within 0.9-1.5x of tracemalloc's figure).
+    Anything else held for the writer (a sealed stored response) is walked as it is."""
+    if not isinstance(step, CapturedStep):
+        return _deep_size(step)
+    n = _STEP_BASE + sys.getsizeof(step.prompt_token_ids) + sys.getsizeof(step.output_token_ids)
+    n += sys.getsizeof(step.output_logprobs)
+    for part in (step.system, step.tools, step.new_messages, step.tool_results, step.params, step.action,
+                 step.error, step.client_info, step.history_extras, step.output_versions):
+        if part:
+            n += _deep_size(part)
+    return n
 
 
 def spans_to_versions(spans: list[dict[str, Any]], n_tokens: int) -> list[str] | None:

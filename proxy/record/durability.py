@@ -68,6 +68,7 @@ class WriterHealth:
     held: int  # steps (and stored responses) answered but not yet durable
     oldest_held_s: float  # age of the oldest of them
     spool_error: str | None  # the last spool failure while it lasts (disk full): new calls get 503
+    held_bytes: int = 0  # what the held steps cost (process mode: bounded by ATDP_WRITER_HOLD_MB)
     problems: list[str] = field(default_factory=list)
 
     def judge(self, lag_limit_s: float) -> WriterHealth:
@@ -81,5 +82,6 @@ class WriterHealth:
 
     def as_json(self) -> dict[str, object]:
         return {"mode": self.mode, "alive": self.alive, "restarts": self.restarts, "held": self.held,
+                "held_mb": round(self.held_bytes / 2**20, 3),
                 "oldest_held_s": round(self.oldest_held_s, 3), "spool_error": self.spool_error,
                 "problems": self.problems}

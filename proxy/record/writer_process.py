@@ -14,20 +14,25 @@ the spool). Until then the parent holds it:
 - SIGTERM to the process group (systemd's default): the child ignores it; the parent's shutdown
   waits for every batch to be acknowledged, then stops the child; what is still held then is
   redacted and spooled here.
-- more than `queue_size` items held (the child is behind or gone): the overflow is redacted here,
-  on a side thread, and spooled as a closed segment the child writes back later.
+- the child is behind or gone and the proxy holds `writer_hold_mb` of answered steps (their
+  `capture.held_bytes`) or `queue_size` of them: `refusing()` has the doors answer new calls 503
+  with retry-after (backpressure), until acknowledgements bring it under. Why not spool the excess
+  here: nothing raw may reach disk, so spooling means redacting in this process, which loads a
+  second Presidio (part of the soak's +252% RSS, README "Soak") and takes the event loop's CPU
+  exactly when the machine is short of it; a client told to retry keeps its request, nothing is lost.
+- calls admitted before the refusal began still finish and are held; only past twice either bound
+  (a burst of long streams) is the overflow redacted here, on a side thread, and spooled as a
+  closed segment the child writes back later.
 
 Nothing raw reaches disk on any of these paths.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import multiprocessing as mp
 import os
-import signal
 import threading
 import time
 from collections import deque
@@ -38,38 +43,19 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from proxy import logs, memtrace
 from proxy.config import Settings
 from proxy.governance.policies import Policies
-from proxy.governance.redaction import RedactionConfig, TextRedactor
-from proxy.governance.redaction_pool import RedactionPool
-from proxy.governance.tokens import TokenGuard, load_codec, token_policy
-from proxy.record.capture import CapturedStep
+from proxy.record.capture import CapturedStep, held_bytes
 from proxy.record.durability import InFlight, WriterHealth
-from proxy.record.recorder import CacheSizes, Item, Recorder
+from proxy.record.recorder import Item, Recorder
 from proxy.record.spool import Spool
+from proxy.record.writer_child import STATS, build_recorder, child_main
+
+__all__ = ["WriterProcess", "build_recorder"]  # build_recorder: the in-process mode builds the same one
 
 log = logging.getLogger("atdp.writer")
 
-_STATS = ("processed", "written", "spooled", "errors")
 RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # a child that keeps dying is retried ever slower
-
-
-def build_recorder(settings: Settings, policies: Policies, *, redactor: TextRedactor | None = None,
-                   inline: bool = False) -> Recorder:
-    """The Recorder both modes run: redactor, tenant policies, token guard, spool."""
-    if redactor is None:
-        # In its own process the writer may scan inline; extra workers only pay off beyond 2 cores.
-        workers = settings.redaction_workers or max(1, (os.cpu_count() or 1) - 2)
-        redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=workers,
-                                 inline_chars=200_000 if inline else 0)
-    codec = load_codec(settings.tokenizer)
-    return Recorder(
-        secret=settings.secret, factory=None, spool=Spool(settings.spool_dir), redactor=redactor,
-        policy_for=lambda s, tenant: policies.policy_for(s, tenant) if s is not None else policies.base(tenant),
-        queue_size=settings.queue_size, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s,
-        token_policy=TokenGuard(codec) if codec is not None else token_policy,
-        caches=CacheSizes(settings.writer_cache_entries, settings.token_cache_tokens, settings.token_cache_s))
 
 
 @dataclass
@@ -79,6 +65,7 @@ class _Held:
     seq: int  # submission order: re-sent batches keep it (a session's steps are numbered in this order)
     since: float  # monotonic time it was submitted
     item: Item
+    size: int  # capture.held_bytes: what holding it costs
 
 
 class WriterProcess:
@@ -94,7 +81,7 @@ class WriterProcess:
         self.submitted = 0
         self.restarts = 0
         self.spool_error: str | None = None
-        self._remote_stats: dict[str, int] = dict.fromkeys(_STATS, 0)
+        self._remote_stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self._db_ok = False
         self._db_url: str | None = None
         self._spilled = 0
@@ -108,6 +95,8 @@ class WriterProcess:
         self._pending: deque[_Held] = deque()  # not yet sent
         self._unacked: dict[int, list[_Held]] = {}  # sent, not yet acknowledged
         self._held = 0
+        self._held_bytes = 0
+        self._hold_limit = int(settings.writer_hold_mb * 2**20)
         self._retry_at = 0.0  # after a nack: when to send again
         self._nacks = 0
         self._ready = False  # a child is running and connected
@@ -128,11 +117,13 @@ class WriterProcess:
         if isinstance(item, CapturedStep):
             self.submitted += 1
             self.inflight.add(item)
-        held = _Held(next(self._seq), time.monotonic(), item)
+        held = _Held(next(self._seq), time.monotonic(), item, held_bytes(item))
         with self._cond:
-            if self._held < self.settings.queue_size:
+            # `refusing()` stops new calls at the bounds; these are calls admitted before it did.
+            if self._held < 2 * self.settings.queue_size and self._held_bytes < 2 * self._hold_limit:
                 self._pending.append(held)
                 self._held += 1
+                self._held_bytes += held.size
                 self._cond.notify_all()
                 return
             self._spilling += 1
@@ -210,8 +201,16 @@ class WriterProcess:
         return out
 
     def refusing(self) -> str | None:
-        """Why new calls must be refused (503) rather than answered and lost; None when they may go."""
-        return f"the capture spool cannot be written ({self.spool_error})" if self.spool_error else None
+        """Why new calls must be refused (503) rather than answered and lost, or held past the
+        bounds; None when they may go."""
+        if self.spool_error:
+            return f"the capture spool cannot be written ({self.spool_error})"
+        held, size = self._held, self._held_bytes  # read without the lock: a moment stale is fine
+        if size >= self._hold_limit or held >= self.settings.queue_size:
+            return (f"the writer is behind: {held} answered steps ({size / 2**20:.1f} MB) wait to be stored "
+                    f"(bounds: ATDP_WRITER_HOLD_MB {self.settings.writer_hold_mb:g}, "
+                    f"ATDP_QUEUE_SIZE {self.settings.queue_size})")
+        return None
 
     def health(self) -> WriterHealth:
         with self._cond:
@@ -219,12 +218,12 @@ class WriterProcess:
             for batch in self._unacked.values():
                 if batch and (oldest is None or batch[0].since < oldest):
                     oldest = batch[0].since
-            held = self._held + self._spilling
+            held, size = self._held + self._spilling, self._held_bytes
         # Up once the child has said it is ready (its redactor built), until it dies.
         alive = self._child_up and self._proc is not None and self._proc.is_alive()
         return WriterHealth(mode="process", alive=alive, restarts=self.restarts, held=held,
                             oldest_held_s=time.monotonic() - oldest if oldest is not None else 0.0,
-                            spool_error=self.spool_error)
+                            spool_error=self.spool_error, held_bytes=size)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every item submitted so far is durable (acknowledged or spooled here)."""
@@ -259,7 +258,7 @@ class WriterProcess:
             left = [h for batch in self._unacked.values() for h in batch] + list(self._pending)
             self._unacked.clear()
             self._pending.clear()
-            self._held = 0
+            self._held = self._held_bytes = 0
             self._closed = True
             self._cond.notify_all()
         if left:
@@ -278,7 +277,7 @@ class WriterProcess:
         self._child_up = False
         inbox_r, inbox_w = self._ctx.Pipe(duplex=False)  # parent -> child
         outbox_r, outbox_w = self._ctx.Pipe(duplex=False)  # child -> parent
-        proc = self._ctx.Process(target=_child_main, args=(self.settings, self.policies, inbox_r, outbox_w, os.getpid()),
+        proc = self._ctx.Process(target=child_main, args=(self.settings, self.policies, inbox_r, outbox_w, os.getpid()),
                                  name="atdp-writer", daemon=True)
         proc.start()
         inbox_r.close()  # only the child reads these ends: a dead child then breaks our sends at once
@@ -337,7 +336,7 @@ class WriterProcess:
                     if msg[0] == "batch":
                         lost = self._unacked.pop(msg[1], None)
                         if lost is not None:
-                            self._held -= len(lost)
+                            self._release(lost)
                             self._requeue(lost)
                     if gen == self._gen:
                         self._ready = False
@@ -350,7 +349,7 @@ class WriterProcess:
                 conn.close()
                 return
             kind = msg[0]
-            self._remote_stats = {k: int(msg[-1].get(k, 0)) for k in _STATS}
+            self._remote_stats = {k: int(msg[-1].get(k, 0)) for k in STATS}
             self._db_ok = bool(msg[-1].get("db_ok"))
             if kind == "ready":
                 self._child_up = True
@@ -358,7 +357,7 @@ class WriterProcess:
                 with self._cond:
                     batch = self._unacked.pop(msg[1], None)
                     if batch is not None:
-                        self._held -= len(batch)
+                        self._release(batch)
                     self._nacks = 0
                     self._cond.notify_all()
                 self.spool_error = None
@@ -369,7 +368,7 @@ class WriterProcess:
                 with self._cond:
                     batch = self._unacked.pop(msg[1], None)
                     if batch is not None:
-                        self._held -= len(batch)
+                        self._release(batch)
                         self._requeue(batch)
                     self._nacks += 1
                     self._retry_at = time.monotonic() + min(5.0, 0.2 * 2 ** min(self._nacks, 5))
@@ -380,7 +379,13 @@ class WriterProcess:
         """Put items back to be sent again, in submission order (caller holds _cond)."""
         self._pending = deque(sorted([*items, *self._pending], key=lambda h: h.seq))
         self._held += len(items)
+        self._held_bytes += sum(h.size for h in items)
         self._cond.notify_all()
+
+    def _release(self, items: list[_Held]) -> None:
+        """Items no longer held: acknowledged, or about to be requeued (caller holds _cond)."""
+        self._held -= len(items)
+        self._held_bytes -= sum(h.size for h in items)
 
     def _supervise(self) -> None:
         failures, started = 0, time.monotonic()
@@ -401,7 +406,7 @@ class WriterProcess:
             with self._cond:
                 unacked = [h for batch in self._unacked.values() for h in batch]
                 self._unacked.clear()
-                self._held -= len(unacked)
+                self._release(unacked)
                 self._requeue(unacked)
                 old, self._to_child = self._to_child, None  # a send racing with this fails and requeues
             delay = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
@@ -421,80 +426,3 @@ class WriterProcess:
                 started = time.monotonic()
             except Exception:
                 log.exception("could not restart the writer process")
-
-
-def _child_stats(rec: Recorder) -> dict[str, int]:
-    return {**{k: rec.stats.get(k, 0) for k in _STATS}, "db_ok": int(rec.db_ok)}
-
-
-def _settle_heap(rec: Recorder) -> None:
-    """Build what the writer keeps for its life (Presidio, spaCy), freeze it out of the collector's
-    sight and collect young objects less often, as `atdp serve` does: on default thresholds over ~160K
-    objects, full collections cost about 0.2 ms of CPU per step, taken from the proxy on small machines."""
-    if isinstance(rec.redactor, RedactionPool):
-        rec.redactor.warm_up()
-    else:
-        rec.redactor.redact_many([("atdp", "warm up")])
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
-
-
-def _child_main(settings: Settings, policies: Policies, inbox: Connection, outbox: Connection, parent_pid: int) -> None:
-    # Ctrl-C and SIGTERM go to the whole process group: the parent decides when we stop, after it
-    # has every batch acknowledged. A file-size limit must be an OSError (EFBIG) here, not a death.
-    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGXFSZ", None)):
-        if sig is not None:
-            signal.signal(sig, signal.SIG_IGN)
-    logs.configure(quiet=("presidio-analyzer", "alembic"))  # one line per record, no credentials in URLs
-    from proxy.store import db
-
-    rec = build_recorder(settings, policies, inline=True)
-    # Build the redactor (Presidio: seconds) before saying ready, not inside the first batch: the
-    # health check shows the writer down until then, and the first steps are not held that long.
-    _settle_heap(rec)
-    memtrace.start("writer", settings.malloc_trim_s)  # glibc heap upkeep; snapshots when asked
-    engine = None
-    try:
-        outbox.send(("ready", _child_stats(rec)))
-        while True:
-            if not inbox.poll(rec.retry_interval_s):
-                if os.getppid() != parent_pid:  # the proxy died without telling us
-                    break
-                rec.drain_spool()
-                outbox.send(("stats", _child_stats(rec)))
-                continue
-            try:
-                msg = inbox.recv()
-            except (EOFError, OSError):
-                break
-            kind = msg[0]
-            if kind == "batch":
-                try:
-                    rec.persist_now(msg[2])
-                except Exception as e:
-                    rec.stats["errors"] += 1
-                    outbox.send(("nack", msg[1], db.db_error_reason(e), _child_stats(rec)))  # no row values
-                else:
-                    outbox.send(("ack", msg[1], _child_stats(rec)))
-            elif kind == "connect":
-                if engine is not None:
-                    engine.dispose()
-                engine = db.make_engine(msg[1])
-                rec.connect(msg[1], db.session_factory(engine))
-            elif kind == "forget":
-                rec.forget(msg[1], **msg[2])
-            elif kind == "tokenizer":
-                try:
-                    rec.use_tokenizer(msg[1])
-                except Exception as e:  # an unreadable tokenizer: keep dropping ids of redacted steps
-                    log.warning("could not load the tokenizer %s: %s: %s", msg[1], type(e).__name__, e)
-            elif kind == "stop":
-                break
-    except (BrokenPipeError, EOFError):
-        pass  # the parent is gone; everything we acknowledged is durable already
-    finally:
-        rec.spool.close()
-        rec.redactor.close()
-        if engine is not None:
-            engine.dispose()

@@ -107,7 +107,7 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
                 api=st.api, started_at=started, parent_step_id=parent, history_len=st.history_len, system=None,
                 tools=None, new_messages=[], tool_results=[], params=st.params or {}, action=action,
                 prompt_token_ids=list(cap.prompt_token_ids), output_token_ids=list(cap.output_token_ids),
-                output_logprobs=list(cap.output_logprobs), output_tokens_text=[], finish_reason=cap.finish_reason,
+                output_logprobs=list(cap.output_logprobs), finish_reason=cap.finish_reason,
                 status=status, error=error, upstream=upstream, model=cap.model or body.get("model"),
                 model_version=model_version, ttft_ms=None, total_ms=total_ms,
                 prompt_tokens=usage.get("prompt_tokens") or len(cap.prompt_token_ids),

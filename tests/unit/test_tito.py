@@ -89,7 +89,7 @@ def test_streamed_and_whole_answers_capture_the_same() -> None:
 
     streamed = asyncio.run(read_stream())
     for cap in (whole, streamed):
-        assert cap.prompt_token_ids == [1, 2, 3] and cap.output_token_ids == [10, 11, IM_END]
+        assert cap.prompt_token_ids == [1, 2, 3] and list(cap.output_token_ids) == [10, 11, IM_END]
         assert cap.output_versions == ["v1", "v2", "v2"]
         assert cap.assistant_message()["tool_calls"][0]["function"] == {"name": "Read", "arguments": '{"a": 1}'}
         assert cap.finish_reason == "tool_calls" and cap.usage == _completion()["usage"]

@@ -1,0 +1,117 @@
+"""The writer child's side of `proxy.record.writer_process`: the Recorder it runs, and its main loop
+(receive a batch, make it durable, acknowledge it; see that module for the protocol)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+from multiprocessing.connection import Connection
+
+from proxy import logs, memtrace
+from proxy.config import Settings
+from proxy.governance.policies import Policies
+from proxy.governance.redaction import RedactionConfig, TextRedactor
+from proxy.governance.redaction_pool import RedactionPool
+from proxy.governance.tokens import TokenGuard, load_codec, token_policy
+from proxy.record.recorder import CacheSizes, Recorder
+from proxy.record.spool import Spool
+
+log = logging.getLogger("atdp.writer")
+
+STATS = ("processed", "written", "spooled", "errors")
+
+
+def build_recorder(settings: Settings, policies: Policies, *, redactor: TextRedactor | None = None,
+                   inline: bool = False) -> Recorder:
+    """The Recorder both modes run: redactor, tenant policies, token guard, spool."""
+    if redactor is None:
+        # In its own process the writer may scan inline; extra workers only pay off beyond 2 cores.
+        workers = settings.redaction_workers or max(1, (os.cpu_count() or 1) - 2)
+        redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=workers,
+                                 inline_chars=200_000 if inline else 0)
+    codec = load_codec(settings.tokenizer)
+    return Recorder(
+        secret=settings.secret, factory=None, spool=Spool(settings.spool_dir), redactor=redactor,
+        policy_for=lambda s, tenant: policies.policy_for(s, tenant) if s is not None else policies.base(tenant),
+        queue_size=settings.queue_size, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s,
+        token_policy=TokenGuard(codec) if codec is not None else token_policy,
+        caches=CacheSizes(settings.writer_cache_entries, settings.token_cache_tokens, settings.token_cache_s))
+
+
+def _child_stats(rec: Recorder) -> dict[str, int]:
+    return {**{k: rec.stats.get(k, 0) for k in STATS}, "db_ok": int(rec.db_ok)}
+
+
+def _settle_heap(rec: Recorder) -> None:
+    """Build what the writer keeps for its life (Presidio, spaCy), freeze it out of the collector's
+    sight and collect young objects less often, as `atdp serve` does: on default thresholds over ~160K
+    objects, full collections cost about 0.2 ms of CPU per step, taken from the proxy on small machines."""
+    if isinstance(rec.redactor, RedactionPool):
+        rec.redactor.warm_up()
+    else:
+        rec.redactor.redact_many([("atdp", "warm up")])
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
+def child_main(settings: Settings, policies: Policies, inbox: Connection, outbox: Connection, parent_pid: int) -> None:
+    # Ctrl-C and SIGTERM go to the whole process group: the parent decides when we stop, after it
+    # has every batch acknowledged. A file-size limit must be an OSError (EFBIG) here, not a death.
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGXFSZ", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+    logs.configure(quiet=("presidio-analyzer", "alembic"))  # one line per record, no credentials in URLs
+    from proxy.store import db
+
+    rec = build_recorder(settings, policies, inline=True)
+    # Build the redactor (Presidio: seconds) before saying ready, not inside the first batch: the
+    # health check shows the writer down until then, and the first steps are not held that long.
+    _settle_heap(rec)
+    memtrace.start("writer", settings.malloc_trim_s)  # glibc heap upkeep; snapshots when asked
+    engine = None
+    try:
+        outbox.send(("ready", _child_stats(rec)))
+        while True:
+            if not inbox.poll(rec.retry_interval_s):
+                if os.getppid() != parent_pid:  # the proxy died without telling us
+                    break
+                rec.drain_spool()
+                outbox.send(("stats", _child_stats(rec)))
+                continue
+            try:
+                msg = inbox.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "batch":
+                try:
+                    rec.persist_now(msg[2])
+                except Exception as e:
+                    rec.stats["errors"] += 1
+                    outbox.send(("nack", msg[1], db.db_error_reason(e), _child_stats(rec)))  # no row values
+                else:
+                    outbox.send(("ack", msg[1], _child_stats(rec)))
+            elif kind == "connect":
+                if engine is not None:
+                    engine.dispose()
+                engine = db.make_engine(msg[1])
+                rec.connect(msg[1], db.session_factory(engine))
+            elif kind == "forget":
+                rec.forget(msg[1], **msg[2])
+            elif kind == "tokenizer":
+                try:
+                    rec.use_tokenizer(msg[1])
+                except Exception as e:  # an unreadable tokenizer: keep dropping ids of redacted steps
+                    log.warning("could not load the tokenizer %s: %s: %s", msg[1], type(e).__name__, e)
+            elif kind == "stop":
+                break
+    except (BrokenPipeError, EOFError):
+        pass  # the parent is gone; everything we acknowledged is durable already
+    finally:
+        rec.spool.close()
+        rec.redactor.close()
+        if engine is not None:
+            engine.dispose()
