@@ -53,7 +53,7 @@ def _turns(tenant: str, ext: str, result: str, task: str = "Fix the parser.", an
             step_id=step_id, session=SessionRef(tenant=tenant, external_id=ext, source="header"),
             api="chat.completions", started_at=at, parent_step_id=parent, history_len=history, system="be brief",
             tools=None, new_messages=messages, tool_results=results, params={}, action=action,
-            prompt_token_ids=[], output_token_ids=[], output_logprobs=[], output_tokens_text=[],
+            prompt_token_ids=[], output_token_ids=[], output_logprobs=[],
             finish_reason="stop", status="ok", error=None, upstream=None, model="tiny", model_version="v1",
             ttft_ms=1.0, total_ms=2.0, prompt_tokens=0, completion_tokens=0, transcript_hash=None)
 
