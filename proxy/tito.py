@@ -146,10 +146,12 @@ async def _prepare(http: aiohttp.ClientSession, base_url: str, headers: dict[str
     if cut is None or cut == len(messages or ()):
         raise TitoUnavailable("no new turn after the parent's answer")
     chat = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    full = await _post(http, base_url + "/v1/chat/completions/render", chat, headers, "render")
     history = {k: v for k, v in chat.items() if k not in ("tool_choice", "response_format")}
     history.update(messages=messages[:cut], add_generation_prompt=False, continue_final_message=False)
-    hist = await _post(http, base_url + "/v1/chat/completions/render", history, headers, "render (history)")
+    # Both renderings at once: they do not depend on each other, and the client waits for both.
+    full, hist = await asyncio.gather(
+        _post(http, base_url + "/v1/chat/completions/render", chat, headers, "render"),
+        _post(http, base_url + "/v1/chat/completions/render", history, headers, "render (history)"))
     full_ids, hist_ids = full.get("token_ids"), hist.get("token_ids")
     if not isinstance(full_ids, list) or not isinstance(hist_ids, list):
         raise TitoUnavailable("render sent no token ids")
