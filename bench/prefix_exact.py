@@ -8,6 +8,7 @@ PostgreSQL databases, and drives Hermes- (chat door), Claude-Code- (messages doo
 (tests/agent_traffic.py). Reads the steps back as ATDP documents.
 
   python bench/prefix_exact.py [--model tiny|smollm2] [--conversations 2] [--turns 4] [--out FILE]
+                              [--engine URL]  # a running engine instead of starting one
 
 Database: ATDP_TEST_DATABASE_URL's server (scratch databases, dropped afterwards).
 """
@@ -96,7 +97,17 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=2)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--out")
+    p.add_argument("--engine", help="a running vLLM (--enable-scale-out, hermes tool parser) serving --model")
     args = p.parse_args()
+    if args.engine:
+        result = {"model": args.model, "conversations_per_door": args.conversations, "turns": args.turns}
+        for label, on in (("off", False), ("on", True)):
+            result[label] = run_proxy(args.engine, args.model, tito=on, conversations=args.conversations,
+                                      turns=args.turns)
+        print(json.dumps(result, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
     python = find_vllm_python()
     if python is None:
         raise SystemExit("no vLLM environment: run scripts/vllm_env.sh")

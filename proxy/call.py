@@ -32,7 +32,7 @@ from proxy.sessions import Continuation, SessionRef, StepLink, body_hash, match_
 from proxy.state import AppState
 from proxy.store.ids import new_id
 from proxy.store.links import LinkRow
-from proxy.tito import NoScaleOut, TitoResponse, TitoUnavailable, complete
+from proxy.tito import NoScaleOut, TitoResponse, TitoStream, TitoUnavailable, answer, open_stream
 from proxy.translate import TranslationError
 from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import iter_sse
@@ -49,7 +49,7 @@ from proxy.upstream import (
 )
 
 # A replica's answer, or a provider's behind the same interface.
-Answer = UpstreamResponse | ProviderResponse | TitoResponse
+Answer = UpstreamResponse | ProviderResponse | TitoResponse | TitoStream
 
 log = logging.getLogger("atdp.call")
 
@@ -186,7 +186,8 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
             raise ReplicaFailed(str(e), 503) from None
         if parent_ids is not None and state.tokens.may_ask(replica.url):
             try:
-                completion = await complete(http, replica.url, headers, upstream_body, parent_ids)
+                tito = await (open_stream if upstream_body.get("stream") else answer)(
+                    http, replica.url, headers, upstream_body, parent_ids)
             except NoScaleOut as e:  # not this engine's routes: stop asking it for a while
                 state.tokens.engine_lacks_routes(replica.url)
                 log.warning("%s: %s; continuations render", replica.label, e)
@@ -198,9 +199,7 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
                 replica.mark_alive()
                 call.lease, call.version, call.upstream_url = lease, lease.version, replica.label
                 call.prompt_path = "tito"
-                opts = upstream_body.get("stream_options") or {}
-                return TitoResponse(completion, stream=bool(upstream_body.get("stream")),
-                                    include_usage=bool(opts.get("include_usage")))
+                return tito
         try:
             resp = UpstreamResponse(await _post(http, replica.url + path, content, headers))
         except (aiohttp.ClientError, TimeoutError, OSError) as e:

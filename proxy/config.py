@@ -143,10 +143,9 @@ class Settings(BaseSettings):
     # parent's exact prompt+output ids + the new turn (needs `vllm serve --enable-scale-out`; without
     # the routes every call renders, as with 0).
     tito: bool = True
-    # ...for streamed calls too. Off by default: this path generates the whole answer before its first
-    # chunk (vLLM's derender is not incremental), so a streaming client would see no token until the
-    # end. On, streamed continuations get exact prefixes at the cost of time to first token.
-    tito_stream: bool = False
+    # ...for streamed calls too: generate streams token ids, derender (stream=true) turns each batch
+    # into a chat chunk with the engine's parsers as it arrives. Off: streamed continuations render.
+    tito_stream: bool = True
     swap_hold_timeout_s: float = 60.0
     swap_drain_timeout_s: float = 120.0  # how long a swap waits for a replica's in-flight calls
     swap_load_timeout_s: float = 600.0  # how long vLLM may take to reload weights

@@ -91,3 +91,64 @@ def test_tito_steps_carry_the_versions_the_engine_reports(start_proxy, vllm_serv
     assert [(r.version, r.count) for r in second.tokens.output_versions] == [
         ("engine-tag", len(second.tokens.output_token_ids))]
     assert {r.version for r in first.tokens.output_versions} == {proxy.state.pool.replicas[0].version}
+
+
+def _stream_chat(client, **kw) -> tuple[dict, list[int]]:
+    """A streamed chat call: (the assembled assistant message + token ids, output tokens per chunk)."""
+    content, calls, ids, per_chunk = [], {}, [], []
+    for chunk in client.chat.completions.create(stream=True, extra_body={"return_token_ids": True}, **kw):
+        for choice in chunk.choices:
+            got = list((choice.model_extra or {}).get("token_ids") or ())
+            ids += got
+            if got:
+                per_chunk.append(len(got))
+            content.append(choice.delta.content or "")
+            for tc in choice.delta.tool_calls or ():
+                cur = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                cur["name"] += (tc.function.name or "") if tc.function else ""
+                cur["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    return {"content": "".join(content), "tool_calls": [calls[i] for i in sorted(calls)], "ids": ids}, per_chunk
+
+
+def _whole_chat(client, **kw) -> dict:
+    resp = client.chat.completions.create(extra_body={"return_token_ids": True}, **kw)
+    msg = resp.choices[0].message
+    return {"content": msg.content or "", "ids": list((resp.choices[0].model_extra or {}).get("token_ids") or ()),
+            "tool_calls": [{"name": tc.function.name, "arguments": tc.function.arguments} for tc in msg.tool_calls or ()]}
+
+
+def test_a_streamed_continuation_is_incremental_and_says_what_the_whole_one_says(start_proxy, vllm_server,
+                                                                                factory) -> None:
+    # One parent, then the same continuation whole and streamed (temperature 0: the same tokens). The
+    # stream arrives chunk by chunk (its first chunk holds a part of the answer), its text, tool call
+    # and ids are the whole answer's; with a stop string, both cut where the chat route cuts.
+    import openai
+
+    proxy = start_proxy([vllm_server.base_url])
+    client = openai.OpenAI(api_key="k", base_url=proxy.v1)
+    tools = [{"type": "function", "function": {"name": "terminal", "parameters": traffic.TERMINAL}}]
+    messages = [{"role": "user", "content": "Count the files."}]
+    forced = {"type": "function", "function": {"name": "terminal"}}
+    first = client.chat.completions.create(model=vllm_server.model, messages=messages, tools=tools, tool_choice=forced,
+                                           temperature=0, max_tokens=traffic.TOOL_TOKENS).choices[0].message
+    tc = first.tool_calls[0]
+    messages += [{"role": "assistant", "content": first.content,
+                  "tool_calls": [{"id": tc.id, "type": "function", "function": tc.function.model_dump()}]},
+                 {"role": "tool", "tool_call_id": tc.id, "content": "12\n"},
+                 {"role": "user", "content": "And the tests?"}]
+    base = {"model": vllm_server.model, "messages": messages, "tools": tools, "temperature": 0}
+    for kw in ({"tool_choice": forced, "max_tokens": traffic.TOOL_TOKENS}, {"tool_choice": "none", "max_tokens": 24}):
+        whole = _whole_chat(client, **base, **kw)
+        streamed, per_chunk = _stream_chat(client, **base, **kw)
+        assert streamed == whole and len(whole["ids"]) > 1
+        assert len(per_chunk) > 1 and per_chunk[0] < len(whole["ids"]), per_chunk  # incremental
+    assert whole["tool_calls"] == [] and len(whole["content"]) > 4
+    text = whole["content"]
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if text.find(text[i:i + 2]) == i)
+    cut = text[: text.find(stop)]
+    kw = {"tool_choice": "none", "max_tokens": 24, "stop": [stop]}
+    assert _whole_chat(client, **base, **kw)["content"] == cut
+    assert _stream_chat(client, **base, **kw)[0]["content"] == cut
+    steps = sorted(documents(proxy, factory), key=lambda s: s.seq)
+    assert [s.tokens.prompt_path for s in steps] == ["rendered"] + ["tito"] * 6
+    assert traffic.prefix_exact(steps) == (6, 6)

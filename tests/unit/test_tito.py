@@ -1,16 +1,14 @@
 """Token-in-token-out pieces that need no engine: the prompt's assembly, the engine's version spans,
-and the synthesized stream read back by the capture (the engine path: tests/integration/test_tito_vllm.py)."""
+the streamed chunks (derender + generate) read back by the capture, stop strings (the engine path: tests/integration/test_tito_vllm.py)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import orjson
 import pytest
 
+from proxy import tito
 from proxy.record.capture import ChatCapture, spans_to_versions
-from proxy.tito import TitoResponse, TitoUnavailable, TokenMemory, continuation_ids, glue, history_cut
-from proxy.translate.sse import iter_sse
+from proxy.tito import TitoUnavailable, TokenMemory, continuation_ids, glue, history_cut
 
 IM_END, NL = 2, 198
 
@@ -60,39 +58,80 @@ def test_token_memory_is_bounded_and_forgets() -> None:
     assert mem.get("b") is None and mem.get("c") == [7, 8]
 
 
-def _completion() -> dict:
-    return {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "tiny",
-        "prompt_token_ids": [1, 2, 3],
-        "choices": [{
-            "index": 0, "finish_reason": "tool_calls", "token_ids": [10, 11, IM_END],
-            "logprobs": {"content": [{"token": "", "logprob": -0.5}] * 3},
-            "weight_versions": [{"version": "v1", "start": 0, "end": 1}, {"version": "v2", "start": 1, "end": 3}],
-            "message": {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "Read", "arguments": '{"a": 1}'}}]},
-        }],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
-    }  # fmt: skip
+def _gen_chunk(ids: list[int], lps: list[float], finish: str | None = None, stop_reason=None, spans=None) -> dict:
+    """One `/inference/v1/generate` stream chunk (token ids, id-shaped logprobs)."""
+    choice = {"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": stop_reason,
+              "logprobs": {"content": [{"token_id": i, "logprob": lp} for i, lp in zip(ids, lps, strict=True)]}}
+    if spans is not None:
+        choice["weight_versions"] = spans
+    return {"request_id": "generate-tokens-1", "choices": [choice]}
 
 
-def test_streamed_and_whole_answers_capture_the_same() -> None:
-    whole = ChatCapture()
-    whole.feed_response(_completion())
+def _der_chunk(delta: dict, finish: str | None = None) -> dict:
+    """What derender's streamed parser path answers for a chunk (no logprobs, no ids: it resolves none)."""
+    return {"id": "generate-tokens-1", "object": "chat.completion.chunk", "created": 5, "model": "tiny",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                         "stop_reason": None, "token_ids": None}], "usage": None}
 
-    async def read_stream() -> ChatCapture:
-        cap = ChatCapture()
-        resp = TitoResponse(_completion(), stream=True)
-        async for payload in iter_sse(resp.aiter_raw()):
-            if payload != b"[DONE]":
-                cap.feed_chunk(orjson.loads(payload))
-        return cap
 
-    streamed = asyncio.run(read_stream())
-    for cap in (whole, streamed):
-        assert cap.prompt_token_ids == [1, 2, 3] and list(cap.output_token_ids) == [10, 11, IM_END]
-        assert cap.output_versions == ["v1", "v2", "v2"]
-        assert cap.assistant_message()["tool_calls"][0]["function"] == {"name": "Read", "arguments": '{"a": 1}'}
-        assert cap.finish_reason == "tool_calls" and cap.usage == _completion()["usage"]
+def test_generate_chunks_that_arrived_together_are_derendered_as_one() -> None:
+    a, b = _gen_chunk([10], [-0.1]), _gen_chunk([11, 12], [-0.2, -0.3], "stop", spans=[{"version": "v", "start": 0, "end": 3}])
+    merged = tito.merge_chunks([a, b])["choices"][0]
+    assert merged["token_ids"] == [10, 11, 12] and merged["finish_reason"] == "stop"
+    assert [x["logprob"] for x in merged["logprobs"]["content"]] == [-0.1, -0.2, -0.3]
+    assert merged["weight_versions"] == [{"version": "v", "start": 0, "end": 3}]
+    assert tito.merge_chunks([a]) is a
+
+
+def test_streamed_chunks_capture_what_a_whole_answer_does() -> None:
+    # A forced tool call, streamed: derender's deltas (name, then argument fragments) plus generate's
+    # ids, logprobs and the version spans on the finishing chunk.
+    cut = tito.StopCut.of({})
+    spans = [{"version": "v1", "start": 0, "end": 1}, {"version": "v2", "start": 1, "end": 3}]
+    parts = [
+        (_der_chunk({"role": "assistant", "tool_calls": [
+            {"index": 0, "id": "call_1", "type": "function", "function": {"name": "Read", "arguments": ""}}]}),
+         _gen_chunk([10], [-0.5])),
+        (_der_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}), _gen_chunk([11], [-0.5])),
+        (_der_chunk({}, "tool_calls"), _gen_chunk([IM_END], [-0.5], "stop", spans=spans)),
+    ]  # fmt: skip
+    cap = ChatCapture()
+    for i, (der, gen) in enumerate(parts):
+        chunk = tito.chat_chunk(der, gen, cut)
+        if i == 0:
+            chunk["prompt_token_ids"] = [1, 2, 3]
+        cap.feed_chunk(orjson.loads(orjson.dumps(chunk)))
+    cap.feed_chunk({"id": "generate-tokens-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}})
+    assert cap.prompt_token_ids == [1, 2, 3] and list(cap.output_token_ids) == [10, 11, IM_END]
+    assert list(cap.output_logprobs) == [-0.5] * 3 and cap.output_versions == ["v1", "v2", "v2"]
+    assert cap.assistant_message()["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "Read", "arguments": '{"a": 1}'}}]
+    assert cap.finish_reason == "tool_calls" and cap.usage == {"prompt_tokens": 3, "completion_tokens": 3}
+
+
+def test_stop_strings_are_held_back_and_cut_as_the_chat_route_cuts_them() -> None:
+    # Derender decodes the tokens that completed "END" (and what followed in the same token); the
+    # client must see neither, and no text that a stop string could still claim.
+    cut = tito.StopCut.of({"stop": ["END", "xy"]})
+    sent = [cut.feed(t) for t in ["Hel", "lo E"]]
+    assert sent == ["H", "ello"]  # " E" held back: the longest stop string, less one character
+    assert cut.finish("END", "NDzz") == " "  # the last tokens completed the stop string
+    keep = tito.StopCut.of({"stop": "END", "include_stop_str_in_output": True})
+    assert keep.feed("Hello E") + keep.finish("END", "NDzz") == "Hello END"  # nothing after it
+    # A stop token (an int stop_reason) or none: everything held is sent.
+    other = tito.StopCut.of({"stop": ["END"]})
+    assert other.feed("abcEN") + other.finish(None, "x") == "abcENx"
+    assert tito.StopCut.of({}).feed("EN") == "EN"
+
+
+def test_a_finishing_chunk_carries_the_held_text_cut_at_the_stop() -> None:
+    cut = tito.StopCut.of({"stop": ["\n\n"]})
+    first = tito.chat_chunk(_der_chunk({"role": "assistant", "content": "Four"}), _gen_chunk([7], [-1.0]), cut)
+    last = tito.chat_chunk(_der_chunk({"content": " files.\n\nMore"}, "stop"),
+                           _gen_chunk([8, 9], [-1.0, -1.0], "stop", "\n\n"), cut)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Fou"}
+    assert last["choices"][0]["delta"]["content"] == "r files."
+    assert last["choices"][0]["token_ids"] == [8, 9]
 
 
 def test_an_engine_without_the_routes_is_not_asked_again_for_a_while() -> None:
