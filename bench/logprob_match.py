@@ -19,7 +19,7 @@ of |logp_train - logp_behaviour| overall and by output position, with the CPU it
 engine's bf16 numerics, not a token or alignment error. `--model smollm2` measures SmolLM2-135M.
 
   python bench/logprob_match.py [--model tiny|smollm2] [--engine-dtype bfloat16|float32] [--requests 16]
-                                [--prompts tuning|heldout] [--out FILE]
+                                [--prompts tuning|heldout] [--out FILE] [--save-steps FILE]
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ def main() -> None:
                    help="tuning: the questions the rounding points were found on; heldout: disjoint ones")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for vLLM to start (busy machines)")
     p.add_argument("--out")
+    p.add_argument("--save-steps", help="write the sampled answers (ids, behaviour logprobs) as JSON, for offline study")
     args = p.parse_args()
     python = find_vllm_python()
     if python is None:
@@ -145,6 +146,10 @@ def main() -> None:
             steps = sample(server.base_url, args.requests, args.max_tokens,
                            HELDOUT if args.prompts == "heldout" else QUESTIONS)
             probe = numerics.probe(fresh, server.base_url)
+        if args.save_steps:
+            Path(args.save_steps).write_text(json.dumps([
+                {"prompt_ids": s.prompt_ids, "output_ids": s.output_ids, "behaviour_logprobs": s.behaviour_logprobs}
+                for s in steps]) + "\n")
         result = {"model": args.model, "weights": args.weights, "engine_dtype": args.engine_dtype, "requests": args.requests,
                   "prompts": args.prompts, "cpu": cpu(),
                   "detected": probe.profile, "probe_medians": {k: round(v, 4) for k, v in probe.medians.items()}}

