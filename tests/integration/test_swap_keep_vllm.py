@@ -5,7 +5,9 @@ than the drain and hold timeouts (lowered here to 2 s and 1 s: a drain swap woul
 Chat completions carry no engine spans, so a call whose generation overlapped the update is never
 stamped with one version: its tokens are labelled with both (`base|v1`) and its step is not eligible
 (`version_ambiguous`). A call that ended before the swap began is exact `base`, one that began after
-it ended exact `v1`.
+it ended exact `v1`. The long call's client reads slowly until the swap is done, so the call is open
+across it in the proxy whatever the engine's speed (the proxy labels by its own window, not by when
+the engine sampled).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
     proxy.state.pool.hold_timeout_s = 1.0
     stop, calls, errors = threading.Event(), [], []
     long_result: dict = {}
+    swapped = threading.Event()
 
     def long_call() -> None:
         client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=300)
@@ -69,6 +72,11 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
             n = 0
             for chunk in stream:
                 n += 1
+                if not swapped.is_set():
+                    # A slow reader: the call stays open in the proxy until the swap is done however
+                    # fast the engine generates (on a quiet machine the tiny model can finish its
+                    # tokens before vLLM's busy API server even takes the swap's /pause).
+                    time.sleep(0.01)
                 long_result.setdefault("first", time.monotonic())
                 if chunk.choices and chunk.choices[0].finish_reason:
                     long_result["finish"] = chunk.choices[0].finish_reason
@@ -90,6 +98,7 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
         r = httpx.post(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=120,
                        json={"checkpoint": str(tiny_model_dir_b), "name": "v1", "promote": "now"})
         swap_t1 = time.monotonic()
+        swapped.set()
         assert r.status_code == 200, r.text
         swap = r.json()["swap"]
         assert swap["ok"] and swap["replicas"][0]["mode"] == "keep", swap
