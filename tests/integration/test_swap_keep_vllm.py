@@ -5,9 +5,9 @@ than the drain and hold timeouts (lowered here to 2 s and 1 s: a drain swap woul
 Chat completions carry no engine spans, so a call whose generation overlapped the update is never
 stamped with one version: its tokens are labelled with both (`base|v1`) and its step is not eligible
 (`version_ambiguous`). A call that ended before the swap began is exact `base`, one that began after
-it ended exact `v1`. The long call's client reads slowly until the swap is done, so the call is open
-across it in the proxy whatever the engine's speed (the proxy labels by its own window, not by when
-the engine sampled).
+it ended exact `v1`. The test freezes the engine (`pause?mode=keep`) before the long call reaches it
+and posts the swap 2.5 s later, so that call (and the load's calls sent meanwhile) is in flight across
+the swap whatever the engine's speed; the swap's own pause, reload, tag and resume let it go on.
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
     proxy.state.pool.hold_timeout_s = 1.0
     stop, calls, errors = threading.Event(), [], []
     long_result: dict = {}
-    swapped = threading.Event()
 
     def long_call() -> None:
         client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, timeout=300)
         t0 = time.monotonic()
+        long_result["sent"] = t0
         try:
             raw = client.chat.completions.with_raw_response.create(
                 model="tiny", messages=[{"role": "user", "content": "a long one"}], max_tokens=LONG_TOKENS,
@@ -72,11 +72,6 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
             n = 0
             for chunk in stream:
                 n += 1
-                if not swapped.is_set():
-                    # A slow reader: the call stays open in the proxy until the swap is done however
-                    # fast the engine generates (on a quiet machine the tiny model can finish its
-                    # tokens before vLLM's busy API server even takes the swap's /pause).
-                    time.sleep(0.01)
                 long_result.setdefault("first", time.monotonic())
                 if chunk.choices and chunk.choices[0].finish_reason:
                     long_result["finish"] = chunk.choices[0].finish_reason
@@ -86,19 +81,26 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
 
     try:
         workers = [threading.Thread(target=_load, args=(proxy, stop, calls, errors, k)) for k in range(3)]
-        long = threading.Thread(target=long_call)
-        long.start()
         for w in workers:
             w.start()
         deadline = time.monotonic() + 120
-        while len(calls) < 6 or "first" not in long_result:
+        while len(calls) < 6:
             assert time.monotonic() < deadline and not errors, errors[:3]
             time.sleep(0.05)
+        # The engine frozen before the long call reaches it: the call (and the load's calls sent
+        # meanwhile) wait in its queue, so they are in flight when the swap begins, however fast the
+        # engine generates and however late its busy API server takes the swap's own /pause.
+        httpx.post(vllm_server.base_url + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        long = threading.Thread(target=long_call)
+        long.start()
+        while "sent" not in long_result:
+            time.sleep(0.005)
+        time.sleep(2.5)  # longer than the lowered drain and hold timeouts
+        assert long.is_alive() and not errors, (long_result, errors[:3])
         swap_t0 = time.monotonic()
         r = httpx.post(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=120,
                        json={"checkpoint": str(tiny_model_dir_b), "name": "v1", "promote": "now"})
         swap_t1 = time.monotonic()
-        swapped.set()
         assert r.status_code == 200, r.text
         swap = r.json()["swap"]
         assert swap["ok"] and swap["replicas"][0]["mode"] == "keep", swap
@@ -149,6 +151,7 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
         assert before and after
     finally:
         stop.set()
+        httpx.post(vllm_server.base_url + "/resume", timeout=60)  # never leave the shared engine frozen
         # The server is shared by the test session: whatever happened, it serves seed 0 again.
         swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
 
