@@ -10,7 +10,8 @@ to the upstream, the baseline for "added latency". At 40% of the run PostgreSQL 
   python bench/soak.py [--duration 1800] [--rate 50] [--window 300] [--warmup 120] [--no-incidents]
 
 Reports: steps lost (answered with 200, never stored: must be 0), errors, RSS of the proxy and of
-the writer over time, and per window the p50/p99 latency through the proxy and direct, the added
+the writer over time with their bounded caches' entries (/healthz: a cache still filling towards its
+bound is not a leak, and shows there), and per window the p50/p99 latency through the proxy and direct, the added
 p99, the load average (mean and max of 10 s samples: the machine may be shared), the incidents in
 it, the calls turned away with 503 while the writer lagged (ATDP_WRITER_HOLD_MB) and the most the
 proxy held for its writer (/healthz, every 10 s). Latency counts from when a request was due (open
@@ -169,13 +170,16 @@ def writer_pid(proxy_pid: int) -> int | None:
     return None
 
 
-def held_now(health: str) -> tuple[int | None, float | None]:
-    """(steps, MB) the proxy holds for its writer, from /healthz; (None, None) when it did not answer."""
+def health_now(health: str) -> dict:
+    """From /healthz: the steps (and MB) the proxy holds for its writer, and the bounded caches' entries
+    of proxy and writer (what grows with traffic until its bound); empty when it did not answer."""
     try:
-        writer = httpx.get(health, timeout=5).json()["writer"]
-        return writer.get("held"), writer.get("held_mb")
+        h = httpx.get(health, timeout=5).json()
+        writer = h["writer"]
+        return {"held": writer.get("held"), "held_mb": writer.get("held_mb"),
+                "proxy_caches": h.get("memory", {}).get("caches"), "writer_caches": writer.get("caches")}
     except (httpx.HTTPError, ValueError, KeyError):
-        return None, None
+        return {}
 
 
 def sampler(proxy_pid: int, health: str, stop: threading.Event, out: list[dict], t0: float, every: float) -> None:
@@ -183,7 +187,7 @@ def sampler(proxy_pid: int, health: str, stop: threading.Event, out: list[dict],
         w = writer_pid(proxy_pid)
         sample = {"t": time.perf_counter() - t0, "proxy_mb": rss_mb(proxy_pid), "writer_pid": w,
                   "writer_mb": rss_mb(w) if w else None, "load1": os.getloadavg()[0]}
-        sample["held"], sample["held_mb"] = held_now(health)
+        sample.update({"held": None, "held_mb": None, **health_now(health)})
         out.append(sample)
 
 
@@ -204,6 +208,15 @@ def growth(samples: list[tuple[float, float]], start: float, window: float) -> d
     last = [v for t, v in after if t > end - window] or [after[-1][1]]
     a, b = statistics.median(first), statistics.median(last)
     return {"from_mb": round(a, 1), "to_mb": round(b, 1), "growth": round(b / a - 1, 4)}
+
+
+def caches_over(samples: list[dict], key: str, start: float, end: float) -> dict[str, list[int]]:
+    """Each cache's entries at the first sample from `start` and the last one to `end` (the RSS windows'
+    ends): how much of an RSS growth is caches still filling towards their bounds."""
+    seen = [s[key] for s in samples if start <= s["t"] <= end and s.get(key)]
+    if not seen:
+        return {}
+    return {name: [seen[0].get(name, 0), seen[-1].get(name, 0)] for name in seen[-1]}
 
 
 def main() -> int:
@@ -304,7 +317,10 @@ def main() -> int:
         # Judged only when it lived a warm-up plus two windows (the one after the kill may not).
         judged = own[-1][0] - own[0][0] >= args.warmup + 2 * args.window
         writers.append({"pid": pid, "from_t": own[0][0], "to_t": own[-1][0], "judged": judged,
-                        "rss": growth(own, own[0][0] + args.warmup, args.window)})
+                        "rss": growth(own, own[0][0] + args.warmup, args.window),
+                        "caches": caches_over([s for s in loaded if s["writer_pid"] == pid], "writer_caches",
+                                              own[0][0] + args.warmup, own[-1][0])})
+    proxy_caches = caches_over(loaded, "proxy_caches", args.warmup, args.duration)
     lost = sorted(res.step_ids - stored)
     criteria = [{"criterion": "0 steps lost (every step answered 200 is in the database after the drain)",
                  "measured": f"{len(lost)} of {len(res.step_ids)} not stored" + ("" if drained else
@@ -315,7 +331,8 @@ def main() -> int:
         "proxied_calls": len(res.proxy), "statuses": statuses,
         "connection_errors": res.errors, "answered_steps": len(res.step_ids), "steps_lost": len(lost), "drained": drained,
         "lost_ids": lost[:20], "steps_in_database": total_steps, "writer_drain_s": round(drain_s, 1),
-        "events": events, "criteria": criteria, "windows": windows, "proxy_rss": proxy_rss, "writers": writers,
+        "events": events, "criteria": criteria, "windows": windows, "proxy_rss": proxy_rss, "proxy_caches": proxy_caches,
+        "writers": writers,
         "rss_samples": samples, "machine": {"cores": os.cpu_count()}, "env": {k: v for k, v in os.environ.items()
                                                                           if k.startswith(("ATDP_", "MALLOC_"))},
     }
@@ -330,10 +347,14 @@ def main() -> int:
               f"database (held by the proxy or spooled; not verified)")
     for e in events:
         print(f"  t={e['t']:.0f} s: {e['event']}")
-    print(f"proxy RSS {proxy_rss}")
+    def entries(c: dict[str, list[int]]) -> str:
+        return ", ".join(f"{k} {a:,} -> {b:,}" for k, (a, b) in c.items() if a or b) or "-"
+
+    print(f"proxy RSS {proxy_rss}; caches from the warm-up to the end (entries): {entries(proxy_caches)}")
     for w in writers:
         print(f"writer {w['pid']} (t {w['from_t']:.0f}-{w['to_t']:.0f} s) RSS {w['rss']}"
-              + ("" if w["judged"] else " (not judged: too short after its warm-up)"))
+              + ("" if w["judged"] else " (not judged: too short after its warm-up)")
+              + f"; caches (entries): {entries(w['caches'])}")
     print("| window | calls | proxy p50 / p99 (ms) | direct p50 / p99 (ms) | added p99 (ms) | load avg (mean / max) "
           "| 503 (writer behind) | held for the writer, max steps / MB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -229,6 +229,10 @@ def _healthz(state: AppState, swaps: Versions) -> Endpoint:
             "swap_listener": bus.ready.is_set() if bus is not None else (False if state.settings.shared_swaps else None),
             "writer": writer.as_json(),
             "writer_pending": writer.held,
+            # What grows with traffic, each bounded (entries; tokens for the token memory): a soak's
+            # RSS is read beside these (bench/soak.py).
+            "memory": {"rss_mb": round(memtrace.rss_mb() or 0.0, 1),
+                       "caches": {**state.index.sizes(), **state.tokens.sizes(), "canary_arms": len(state.canary)}},
             "spool_pending": r.spool.pending(),
             # Replicas by scheme://host:port only: their URLs may carry credentials.
             "replicas": [{"url": x.label, "alive": x.alive, "open": x.is_open, "version": x.version,

@@ -36,6 +36,9 @@ class CanaryRouter:
         self._arms: LRU[tuple[str, str], str] = LRU(max_sessions)
         self.changed = asyncio.Event()  # set by every reward posted: the monitor checks at once
 
+    def __len__(self) -> int:
+        return len(self._arms)  # sessions whose arm is cached
+
     def activate(self, ref: CanaryRef, all_replicas: list[str]) -> None:
         self._arms.clear()
         self.all_replicas = frozenset(all_replicas)

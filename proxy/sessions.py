@@ -241,6 +241,9 @@ class ContinuationIndex:
     def __len__(self) -> int:
         return len(self._by_transcript) + len(self._by_input)
 
+    def sizes(self) -> dict[str, int]:
+        return {"continuations": len(self._by_transcript), "retry_inputs": len(self._by_input)}
+
     def _trim(self, d: OrderedDict, max_age: float) -> None:
         oldest = time.monotonic() - max_age
         while d and (len(d) > self.max_entries or _WHEN.unpack_from(_first(next(iter(d.values()))))[0] < oldest):

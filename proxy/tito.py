@@ -81,6 +81,9 @@ class TokenMemory:
             _, old = self._items.popitem(last=False)
             self._total -= len(old)
 
+    def sizes(self) -> dict[str, int]:
+        return {"tito_steps": len(self._items), "tito_tokens": self._total}
+
     def get(self, step_id: str | None) -> list[int] | None:
         a = self._items.get(step_id) if step_id else None
         return a.tolist() if a is not None else None

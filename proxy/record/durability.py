@@ -70,6 +70,7 @@ class WriterHealth:
     spool_error: str | None  # the last spool failure while it lasts (disk full): new calls get 503
     held_bytes: int = 0  # what the held steps cost (process mode: bounded by ATDP_WRITER_HOLD_MB)
     problems: list[str] = field(default_factory=list)
+    caches: dict[str, int] = field(default_factory=dict)  # the writer's bounded caches: entries each
 
     def judge(self, lag_limit_s: float) -> WriterHealth:
         if not self.alive:
@@ -84,4 +85,4 @@ class WriterHealth:
         return {"mode": self.mode, "alive": self.alive, "restarts": self.restarts, "held": self.held,
                 "held_mb": round(self.held_bytes / 2**20, 3),
                 "oldest_held_s": round(self.oldest_held_s, 3), "spool_error": self.spool_error,
-                "problems": self.problems}
+                "problems": self.problems, "caches": self.caches}

@@ -62,6 +62,13 @@ class TokenCache:
         self.max_tokens = max_tokens
         self.max_age_s = max_age_s
 
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def tokens(self) -> int:
+        return self._total
+
     def put(self, step_id: str, ids: list[int] | array) -> None:
         a = ids if isinstance(ids, array) else array("i", ids)
         key = id_key(step_id)
@@ -329,6 +336,12 @@ class Preparer:
         """A referred row's key: the keyed hash of the (redacted) value, which is the key of a tool
         result, system prompt or echoed message that is the same clean value, so those rows are shared."""
         return content_hash(self.secret, value)
+
+    def cache_sizes(self) -> dict[str, int]:
+        """Entries in each bounded cache (tokens for the token cache): what /healthz and a soak show."""
+        return {"contents_known": len(self._known), "steps_redaction_state": len(self._context_redacted),
+                "outputs": len(self._outputs), "side_values": len(self._side), "token_steps": len(self.tokens),
+                "tokens": self.tokens.tokens}
 
     def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:
         """Drop what memory holds of forgotten steps and contents (all of a tenant's when hashes is None),

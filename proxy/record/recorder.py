@@ -138,7 +138,7 @@ class Recorder:
         pending = self.pending
         return WriterHealth(mode="thread", alive=self._thread.is_alive() or not self._thread.ident, restarts=0,
                             held=pending, oldest_held_s=time.monotonic() - self._progress_at if pending else 0.0,
-                            spool_error=self.spool_error)
+                            spool_error=self.spool_error, caches=self.preparer.cache_sizes())
 
     # --- durable writes (the writer thread here; the child's main loop in process mode) ---------
 

@@ -40,8 +40,8 @@ def build_recorder(settings: Settings, policies: Policies, *, redactor: TextReda
         caches=CacheSizes(settings.writer_cache_entries, settings.token_cache_tokens, settings.token_cache_s))
 
 
-def _child_stats(rec: Recorder) -> dict[str, int]:
-    return {**{k: rec.stats.get(k, 0) for k in STATS}, "db_ok": int(rec.db_ok)}
+def _child_stats(rec: Recorder) -> dict[str, object]:
+    return {**{k: rec.stats.get(k, 0) for k in STATS}, "db_ok": int(rec.db_ok), "caches": rec.preparer.cache_sizes()}
 
 
 def _settle_heap(rec: Recorder) -> None:

@@ -82,6 +82,7 @@ class WriterProcess:
         self.restarts = 0
         self.spool_error: str | None = None
         self._remote_stats: dict[str, int] = dict.fromkeys(STATS, 0)
+        self._remote_caches: dict[str, int] = {}  # the child's bounded caches, as its last message said
         self._db_ok = False
         self._db_url: str | None = None
         self._spilled = 0
@@ -223,7 +224,7 @@ class WriterProcess:
         alive = self._child_up and self._proc is not None and self._proc.is_alive()
         return WriterHealth(mode="process", alive=alive, restarts=self.restarts, held=held,
                             oldest_held_s=time.monotonic() - oldest if oldest is not None else 0.0,
-                            spool_error=self.spool_error, held_bytes=size)
+                            spool_error=self.spool_error, held_bytes=size, caches=self._remote_caches)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every item submitted so far is durable (acknowledged or spooled here)."""
@@ -351,6 +352,7 @@ class WriterProcess:
             kind = msg[0]
             self._remote_stats = {k: int(msg[-1].get(k, 0)) for k in STATS}
             self._db_ok = bool(msg[-1].get("db_ok"))
+            self._remote_caches = dict(msg[-1].get("caches") or {})
             if kind == "ready":
                 self._child_up = True
             elif kind == "ack":
