@@ -232,7 +232,8 @@ def _healthz(state: AppState, swaps: Versions) -> Endpoint:
             # What grows with traffic, each bounded (entries; tokens for the token memory): a soak's
             # RSS is read beside these (bench/soak.py).
             "memory": {"rss_mb": round(memtrace.rss_mb() or 0.0, 1),
-                       "caches": {**state.index.sizes(), **state.tokens.sizes(), "canary_arms": len(state.canary)}},
+                       "caches": {**state.index.sizes(), **state.tokens.sizes(), "canary_arms": len(state.canary)},
+                       "bounds": {"continuations": state.index.max_entries, "tito_tokens": state.tokens.max_tokens}},
             "spool_pending": r.spool.pending(),
             # Replicas by scheme://host:port only: their URLs may carry credentials.
             "replicas": [{"url": x.label, "alive": x.alive, "open": x.is_open, "version": x.version,
@@ -283,8 +284,9 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
         try:
             url = db.database_url(settings)
             db.upgrade(url)
-            if settings.shared_links:
-                state.links = LinkStore(url, ttl_s=settings.session_ttl_s, timeout_s=settings.shared_timeout_s)
+            if settings.shared_links or settings.continuation_lookup:
+                state.links = LinkStore(url, ttl_s=settings.session_ttl_s, timeout_s=settings.shared_timeout_s,
+                                        shared=settings.shared_links)
             if settings.shared_swaps:
                 swaps.bus = SwapBus(url, state.pool, drain_timeout_s=settings.swap_drain_timeout_s)
                 canarybus.attach(state, swaps)  # a canary begun on another proxy routes here too

@@ -110,15 +110,16 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
                 messages: list[Any], system: Any = None, tools: Any = None, tool_results_of=None,
                 params: dict[str, Any] | None = None, path_session: str | None = None) -> Call:
     """Resolve the session and parent step of a call: in memory, or (when this proxy's memory does
-    not know the parent) with one read of the keys other proxies published."""
+    not know the parent) with one read of the database's keys (proxy.store.links)."""
     t0 = time.perf_counter()
     keys = [match_key(m) for m in messages]
     hashes = prefix_hashes(principal.tenant, keys)
     fingerprint = body_hash(principal.tenant, body)
     session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session, body=body,
                             hashes=hashes, index=state.index, fingerprint=fingerprint)
-    if state.links is not None and (wanted := _unknown_keys(cont, session, hashes, messages)):
-        rows = await state.links.lookup(wanted)
+    links = state.links
+    if links is not None and (wanted := _unknown_keys(cont, session, hashes, messages, inputs=links.shared)):
+        rows = await links.lookup(wanted, principal.tenant)
         if rows:
             state.index.learn(rows)
             session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session,
@@ -133,16 +134,22 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
     )
 
 
-def _unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any]) -> list[str]:
-    """The keys to ask the database for (other proxies' steps); [] when memory already has the answer.
+def _unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any], *,
+                  inputs: bool = True) -> list[str]:
+    """The keys to ask the database for; [] when memory already has the answer.
 
-    Nothing known: every key when the history holds a model output (a first call costs no read). A parent known: only when a model
-    output comes after it in the history, i.e. a later turn this proxy did not serve may be the real
-    parent; a client's usual next call (outputs, then its tool results or a user turn) costs no query."""
+    Nothing known: when the history holds a model output (a first call costs no read), every key
+    where the database holds inputs too (`inputs`: the shared keys, whose input keys find a retry
+    another proxy served), else the keys that end with a model output (a stored step's transcript
+    always does). A parent known: only when a model output comes after it in the history, i.e. a
+    later turn this proxy did not serve may be the real parent; a client's usual next call
+    (outputs, then its tool results or a user turn) costs no query."""
     if cont.parent is None and session.source != "continuation":  # (a sibling of a first step: known)
         # Every stored transcript ends with a model output: a call with none in its history can
         # only be a retry of a first call, which is not worth a read on every first call.
-        return hashes if any(_is_output(m) for m in messages[:-1]) else []
+        if not any(_is_output(m) for m in messages[:-1]):
+            return []
+        return hashes if inputs else [hashes[j] for j in range(len(hashes) - 1) if _is_output(messages[j])]
     return [hashes[j] for j in range(cont.history_len, len(hashes) - 1) if _is_output(messages[j])]
 
 
@@ -306,7 +313,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
             call.state.index.add_input(call.hashes[-1], link, parent, call.continuation.history_len, call.body_hash)
             rows.append(LinkRow(call.hashes[-1], "i", call.step_id, link.session_id,
                                 parent.step_id if parent else None, call.continuation.history_len))
-        if rows and call.state.links is not None:
+        if rows and call.state.links is not None and call.state.links.shared:
             call.published = call.state.links.publish(rows)
         if call.provider is None:  # a later turn may continue from these exact ids (proxy.tito)
             call.state.tokens.put(call.step_id, cap.prompt_token_ids, cap.output_token_ids)

@@ -184,9 +184,11 @@ class Settings(BaseSettings):
     session_ttl_s: float = 24 * 3600.0
     # A call identical to one that ended this recently joins its session (a retry, a parallel sample).
     retry_window_s: float = 30.0
-    # Memory bounds (README, "Soak"). Continuation keys a proxy keeps in memory (about 230 bytes each;
-    # an older session's next call is not linked unless `shared_links` finds it in the database).
-    continuation_entries: int = Field(default=200_000, ge=1_000)
+    # Memory bounds (README, "Soak"). Continuation keys a proxy keeps in memory (about 200 bytes each):
+    # a cache; a call whose parent it has let go of is looked up in the database once
+    # (`continuation_lookup`: the stored steps, or the shared keys with `shared_links`).
+    continuation_entries: int = Field(default=50_000, ge=1_000)
+    continuation_lookup: bool = True
     # The writer: contents known stored and steps' redaction state (entries each; a miss costs a scan
     # or a read), and recent token sequences for prefix storage (tokens, and seconds since written).
     writer_cache_entries: int = Field(default=100_000, ge=1_000)

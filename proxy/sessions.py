@@ -230,7 +230,7 @@ class ContinuationIndex:
     Compact (16-byte keys, packed values): the map is the largest thing a proxy keeps. Inputs serve
     only retries, so they are kept for the retry window alone."""
 
-    def __init__(self, max_entries: int = 200_000, ttl_s: float = 24 * 3600.0, retry_window_s: float = 30.0) -> None:
+    def __init__(self, max_entries: int = 50_000, ttl_s: float = 24 * 3600.0, retry_window_s: float = 30.0) -> None:
         self._by_transcript: OrderedDict[bytes, bytes] = OrderedDict()  # key -> _pack(when, link)
         # input key -> (when it ended, the call, its parent, history length, its body's 16-byte hash)
         self._by_input: OrderedDict[bytes, tuple[bytes, bytes, int, bytes]] = OrderedDict()

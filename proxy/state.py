@@ -54,7 +54,7 @@ class AppState:
     # Called after a forget with (tenant, forgotten step ids, whole tenant?): caches the doors keep
     # (the Responses door's recent conversations) drop what links to forgotten sessions.
     forget_hooks: list[Callable[[str, set[str], bool], None]] = field(default_factory=list)
-    links: LinkStore | None = None  # continuation keys shared with other proxies; set on connect
+    links: LinkStore | None = None  # continuation keys in the database (proxy.store.links); set on connect
     tokens: TokenMemory = field(default_factory=TokenMemory)  # served steps' ids, for token-in-token-out
 
     async def authenticate(self, request: Request, *, admin: bool = False, scope: str | None = None) -> Principal:

@@ -1,22 +1,33 @@
-"""Continuation keys in PostgreSQL: what lets several proxies link one client's calls.
+"""Continuation keys in PostgreSQL: the truth behind each proxy's in-memory index.
 
-Each proxy answers continuation from its own memory (`proxy.sessions.ContinuationIndex`); the
-`continuation_links` table is the truth they share. The proxy that served a step publishes its keys
-before the client has the last bytes of the answer, so the client's next call finds them whichever
-proxy it reaches; a proxy whose memory misses reads them here (one indexed read).
+Each proxy answers continuation from its own memory (`proxy.sessions.ContinuationIndex`), a cache
+bounded by `ATDP_CONTINUATION_ENTRIES`; a call whose parent that memory does not know is looked up
+here once (one indexed read). Two sources, by deployment:
+
+- one proxy (`shared = False`): the stored steps themselves (`steps.transcript_hash`, which the
+  writer stores anyway): nothing is written on the request path, and a parent the memory has let go
+  of (evicted, or from before a restart) is still found once its step is stored;
+- several proxies (`shared = True`, ATDP_SHARED_LINKS): the `continuation_links` table. The proxy
+  that served a step publishes its keys before the client has the last bytes of the answer, so the
+  client's next call finds them whichever proxy it reaches, before any writer has stored the step.
 
 Publishing is a group commit on one connection with `synchronous_commit = off`: calls that finish
 together share one INSERT, and none waits for a disk flush (a key lost to a database crash only
 splits a session in two, as before this table existed; the steps themselves go through the writer's
 durable path). Both sides are bounded by `timeout_s`: a slow or absent database costs a call at most
-that, and the proxy falls back to what it alone saw.
+that, and the proxy falls back to what it alone saw. Keys the database did not know are remembered
+for `unknown_ttl_s`, so a client whose history never matches (it edits or compacts it) costs one
+read, not one per call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import psycopg
@@ -36,6 +47,15 @@ SELECT hash, kind, step_id, session_id, parent_step_id, history_len FROM continu
 WHERE hash = ANY(%s::varchar[]) AND created_at > now() - make_interval(secs => %s)
 """
 
+# One proxy: the stored steps' transcripts (index ix_steps_transcript); the latest step of a hash.
+_LOOKUP_STEPS = """
+SELECT DISTINCT ON (st.transcript_hash) st.transcript_hash, 't', st.id, se.external_id, NULL::varchar, 0
+FROM steps st JOIN sessions se ON se.id = st.session_id
+WHERE st.tenant_id = %s AND st.transcript_hash = ANY(%s::varchar[])
+  AND st.started_at > now() - make_interval(secs => %s)
+ORDER BY st.transcript_hash, st.started_at DESC
+"""
+
 
 @dataclass(frozen=True)
 class LinkRow:
@@ -53,13 +73,19 @@ def libpq_url(url: str) -> str:
 
 
 class LinkStore:
-    """Publish and look up continuation keys; one writer connection, a few reader connections."""
+    """Look up (and, shared, publish) continuation keys; one writer connection, a few readers."""
 
-    def __init__(self, url: str, *, ttl_s: float, timeout_s: float = 0.5, readers: int = 4) -> None:
+    def __init__(self, url: str, *, ttl_s: float, timeout_s: float = 0.5, readers: int = 4, shared: bool = True,
+                 unknown_entries: int = 20_000, unknown_ttl_s: float = 300.0) -> None:
         self.url = libpq_url(url)
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.readers = readers
+        self.shared = shared
+        # Keys looked up and not found: 16-byte digests -> when (bounded by count and age).
+        self._unknown: OrderedDict[bytes, float] = OrderedDict()
+        self.unknown_entries = unknown_entries
+        self.unknown_ttl_s = unknown_ttl_s
         self._pending: list[tuple[list[LinkRow], asyncio.Future[bool]]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -77,6 +103,7 @@ class LinkStore:
 
     def publish(self, rows: list[LinkRow]) -> asyncio.Future[bool]:
         """Queue `rows`; the future is True once they are committed (False when that failed)."""
+        assert self.shared, "a lone proxy's keys are its stored steps: nothing to publish"
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._pending.append((rows, fut))
         if self._task is None or self._task.done():
@@ -131,19 +158,35 @@ class LinkStore:
 
     # looking up
 
-    async def lookup(self, hashes: list[str]) -> list[LinkRow]:
-        """The stored keys among `hashes` (within the session window); [] when the database fails."""
-        if not hashes:
+    async def lookup(self, hashes: list[str], tenant: str) -> list[LinkRow]:
+        """The stored keys among `hashes` (within the session window); [] when the database fails.
+        Keys it did not know a moment ago are not asked again (`unknown_ttl_s`)."""
+        now = time.monotonic()
+        ask = [h for h in hashes if not self._known_unknown(h, now)]
+        if not ask:
             return []
         self.lookups += 1
         try:
-            return await asyncio.wait_for(self._lookup(hashes), self.timeout_s)
+            rows = await asyncio.wait_for(self._lookup(ask, tenant), self.timeout_s)
         except (TimeoutError, psycopg.Error, OSError) as e:
             self.failures += 1
             log.warning("continuation keys not read (%s): linking from this proxy's memory only", e)
             return []
+        found = {r.hash for r in rows}
+        for h in ask:
+            if h not in found:
+                self._unknown[_key(h)] = now
+                self._unknown.move_to_end(_key(h))
+        while self._unknown and (len(self._unknown) > self.unknown_entries
+                                 or next(iter(self._unknown.values())) < now - self.unknown_ttl_s):
+            self._unknown.popitem(last=False)
+        return rows
 
-    async def _lookup(self, hashes: list[str]) -> list[LinkRow]:
+    def _known_unknown(self, h: str, now: float) -> bool:
+        when = self._unknown.get(_key(h))
+        return when is not None and when >= now - self.unknown_ttl_s
+
+    async def _lookup(self, hashes: list[str], tenant: str) -> list[LinkRow]:
         if self._idle is None:
             self._idle = asyncio.Queue()
         if self._idle.empty() and self._opened < self.readers:
@@ -157,7 +200,10 @@ class LinkStore:
             conn = await self._idle.get()
         broken = False
         try:
-            cur = await conn.execute(_LOOKUP, (hashes, self.ttl_s))
+            if self.shared:
+                cur = await conn.execute(_LOOKUP, (hashes, self.ttl_s))
+            else:
+                cur = await conn.execute(_LOOKUP_STEPS, (tenant, hashes, self.ttl_s))
             return [LinkRow(*row) for row in await cur.fetchall()]
         except BaseException:
             broken = True
@@ -172,6 +218,8 @@ class LinkStore:
 
     async def purge(self) -> int:
         """Delete keys older than the session window; how many went."""
+        if not self.shared:
+            return 0
         conn = await self._connect()
         try:
             cur = await conn.execute("DELETE FROM continuation_links WHERE created_at < now() - make_interval(secs => %s)",
@@ -188,3 +236,7 @@ class LinkStore:
         while self._idle is not None and not self._idle.empty():
             with contextlib.suppress(Exception):
                 await self._idle.get_nowait().close()
+
+
+def _key(h: str) -> bytes:
+    return hashlib.blake2b(h.encode(), digest_size=16).digest()

@@ -162,6 +162,8 @@ class Step(Base):
             postgresql_where=text("eligibility = 'eligible' AND trained_version_id IS NULL"),
         ),
         Index("ix_steps_retention", "retention_until", postgresql_where=text("retention_until IS NOT NULL")),
+        # A lone proxy's continuation reads (proxy.store.links; migration 0014): equality only.
+        Index("ix_steps_transcript_hash", "transcript_hash", postgresql_using="hash"),
     )
 
 
