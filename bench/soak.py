@@ -8,6 +8,13 @@ to the upstream, the baseline for "added latency". At 40% of the run PostgreSQL 
 --pg-down seconds and started again; at 60% the writer child is killed with SIGKILL.
 
   python bench/soak.py [--duration 1800] [--rate 50] [--window 300] [--warmup 120] [--no-incidents]
+                       [--no-prefill]
+
+Before the clock starts, the proxy's bounded caches are filled (`--prefill`, on by default): calls at
+`--prefill-concurrency` until /healthz shows its continuation keys and token memory at their bounds,
+then the writer drains. A proxy that has run for a day is at those bounds; the soak then watches
+that steady state, where RSS growth is a leak and not a cache on its way to its bound. Prefill
+calls are answered steps like the others: they count for "0 steps lost" too.
 
 Reports: steps lost (answered with 200, never stored: must be 0), errors, RSS of the proxy and of
 the writer over time with their bounded caches' entries (/healthz: a cache still filling towards its
@@ -182,6 +189,48 @@ def health_now(health: str) -> dict:
         return {}
 
 
+async def prefill(proxy_port: int, health: str, res: Results, concurrency: int, max_s: float,
+                  max_held: int = 2000) -> dict:
+    """Calls (the soak's own, every door) until the proxy's continuation keys and token memory are at
+    their bounds (/healthz `memory.bounds`), pausing while the writer holds more than `max_held`
+    steps (the soak starts from a writer that keeps up, and no call is turned away for it)."""
+    pool = Pool(proxy_port, concurrency)
+    await pool.open()
+    t0, k, statuses = time.perf_counter(), 0, {}
+    base = 10**9  # call numbers apart from the timed run's
+
+    async def one(i: int) -> None:
+        door, stream = DOORS[i % len(DOORS)]
+        path, body = body_for(door, stream, base + i)
+        try:
+            _, status, headers = await pool.call(encode(proxy_port, path, body), stream)
+        except Exception as e:
+            res.errors["prefill " + type(e).__name__] = res.errors.get("prefill " + type(e).__name__, 0) + 1
+            return
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == 200 and (step := headers.get(b"x-atdp-step-id")):
+            res.step_ids.add(step.decode())
+
+    async with httpx.AsyncClient(timeout=10) as hc:
+        while True:
+            h = (await hc.get(health)).json()
+            mem = h["memory"]
+            full = all(mem["caches"][name] >= 0.98 * bound for name, bound in mem["bounds"].items())
+            if full or time.perf_counter() - t0 > max_s:
+                break
+            if h["writer_pending"] > max_held:
+                await asyncio.sleep(0.5)
+                continue
+            await asyncio.gather(*(one(k + j) for j in range(4 * concurrency)))
+            k += 4 * concurrency
+        while (await hc.get(health)).json()["writer_pending"] and time.perf_counter() - t0 < max_s + 600:
+            await asyncio.sleep(1.0)
+        h = (await hc.get(health)).json()
+    return {"calls": k, "seconds": round(time.perf_counter() - t0, 1), "statuses": statuses, "full": full,
+            "caches": h["memory"]["caches"], "bounds": h["memory"]["bounds"], "proxy_rss_mb": h["memory"]["rss_mb"],
+            "writer_caches": h["writer"].get("caches")}
+
+
 def sampler(proxy_pid: int, health: str, stop: threading.Event, out: list[dict], t0: float, every: float) -> None:
     while not stop.wait(every):
         w = writer_pid(proxy_pid)
@@ -227,6 +276,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=120.0, help="seconds before RSS growth is measured")
     ap.add_argument("--pg-down", type=float, default=15.0, help="seconds PostgreSQL stays stopped")
     ap.add_argument("--no-incidents", action="store_true", help="no PostgreSQL restart, no writer kill (diagnosis)")
+    ap.add_argument("--no-prefill", dest="prefill", action="store_false",
+                    help="start the clock with the proxy's caches empty (they fill during the run)")
+    ap.add_argument("--prefill-concurrency", type=int, default=8)
+    ap.add_argument("--prefill-max-s", type=float, default=1800.0, help="give up filling after this long")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak.json"))
     args = ap.parse_args()
 
@@ -235,6 +288,11 @@ def main() -> int:
     health = f"http://127.0.0.1:{stack.proxy_port}/healthz"
     proxy_pid = stack.procs[1].pid
     res, samples, events = Results(), [], []
+    filled = None
+    if args.prefill:
+        filled = asyncio.run(prefill(stack.proxy_port, health, res, args.prefill_concurrency, args.prefill_max_s))
+        print(f"prefill: {filled['calls']} calls in {filled['seconds']} s, statuses {filled['statuses']}; caches "
+              f"{filled['caches']} of {filled['bounds']}; proxy RSS {filled['proxy_rss_mb']} MB", flush=True)
     stop = threading.Event()
     t0 = time.perf_counter()
     threading.Thread(target=sampler, args=(proxy_pid, health, stop, samples, t0, 10.0), daemon=True).start()
@@ -328,6 +386,7 @@ def main() -> int:
                  "pass": drained and not lost}, *judge(windows, proxy_rss, writers, args)]
     summary = {
         "duration_s": args.duration, "rate": args.rate, "warmup_s": args.warmup, "window_s": args.window,
+        "prefill": filled,
         "proxied_calls": len(res.proxy), "statuses": statuses,
         "connection_errors": res.errors, "answered_steps": len(res.step_ids), "steps_lost": len(lost), "drained": drained,
         "lost_ids": lost[:20], "steps_in_database": total_steps, "writer_drain_s": round(drain_s, 1),
