@@ -12,6 +12,10 @@ temperature 1 with logprobs, and recomputes each output token's logprob with the
                 fp32 compute rounded to bf16 where a bf16 vLLM engine rounds, in each of
                 trainer/numerics.py's profiles (round-to-nearest or truncated attention output)
 
+It also scores each sampled sequence with the engine itself in one pass (`prompt_logprobs` on the
+prompt + output ids: every output token's logprob from a prefill, as a trainer computes them),
+the row `engine_prefill`: how far the engine's one-pass logprobs are from its own decode-time ones,
+the floor under any trainer that scores a whole sequence at once.
 It also runs the trainer's own detection (`numerics.probe`, on its probe prompts, which are disjoint
 from the questions measured here) and names the profile it picked. Reports the median, p90 and max
 of |logp_train - logp_behaviour| overall and by output position, with the CPU it ran on.
@@ -71,6 +75,23 @@ def sample(base_url: str, n: int, max_tokens: int, questions: list[str]) -> list
                 version_lag=0,
             ))
     return steps
+
+
+def engine_prefill(base_url: str, steps: list[StepTokens]) -> tuple[list[float], list[int]]:
+    """|logp_prefill - logp_decode| per output token: the engine scoring prompt + output in one pass
+    (vLLM's `prompt_logprobs`; a request asking for them never reads the prefix cache)."""
+    values, positions = [], []
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        for s in steps:
+            ids = s.prompt_ids + s.output_ids
+            body = client.post("/v1/completions", json={
+                "model": "m", "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}).json()
+            plp = body["choices"][0]["prompt_logprobs"]
+            for k, (tok, behaviour) in enumerate(zip(s.output_ids, s.behaviour_logprobs, strict=True)):
+                entry = plp[len(s.prompt_ids) + k]
+                values.append(abs(entry[str(tok)]["logprob"] - behaviour))
+                positions.append(k)
+    return values, positions
 
 
 NUMERICS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "engine_bf16": ("fp32", "bf16"),
@@ -146,6 +167,7 @@ def main() -> None:
             steps = sample(server.base_url, args.requests, args.max_tokens,
                            HELDOUT if args.prompts == "heldout" else QUESTIONS)
             probe = numerics.probe(fresh, server.base_url)
+            prefill = engine_prefill(server.base_url, steps)
         if args.save_steps:
             Path(args.save_steps).write_text(json.dumps([
                 {"prompt_ids": s.prompt_ids, "output_ids": s.output_ids, "behaviour_logprobs": s.behaviour_logprobs}
@@ -153,6 +175,7 @@ def main() -> None:
         result = {"model": args.model, "weights": args.weights, "engine_dtype": args.engine_dtype, "requests": args.requests,
                   "prompts": args.prompts, "cpu": cpu(),
                   "detected": probe.profile, "probe_medians": {k: round(v, 4) for k, v in probe.medians.items()}}
+        result["engine_prefill"] = summary(*prefill)
         for name in NUMERICS:
             result[f"trainer_{name}"] = summary(*diffs(fresh, steps, name))
     print(json.dumps(result, indent=2))
