@@ -15,9 +15,9 @@ Publishing is a group commit on one connection with `synchronous_commit = off`: 
 together share one INSERT, and none waits for a disk flush (a key lost to a database crash only
 splits a session in two, as before this table existed; the steps themselves go through the writer's
 durable path). Both sides are bounded by `timeout_s`: a slow or absent database costs a call at most
-that, and the proxy falls back to what it alone saw. Keys the database did not know are remembered
-for `unknown_ttl_s`, so a client whose history never matches (it edits or compacts it) costs one
-read, not one per call.
+that, and the proxy falls back to what it alone saw. A lone proxy remembers the keys the database
+did not know for `unknown_ttl_s` (only its own steps, which its memory holds first, could add them),
+so a client whose history never matches (it edits or compacts it) costs one read, not one per call.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class LinkStore:
 
     async def lookup(self, hashes: list[str], tenant: str) -> list[LinkRow]:
         """The stored keys among `hashes` (within the session window); [] when the database fails.
-        Keys it did not know a moment ago are not asked again (`unknown_ttl_s`)."""
+        A lone proxy does not ask again for keys it did not find a moment ago (`unknown_ttl_s`)."""
         now = time.monotonic()
         ask = [h for h in hashes if not self._known_unknown(h, now)]
         if not ask:
@@ -172,6 +172,8 @@ class LinkStore:
             self.failures += 1
             log.warning("continuation keys not read (%s): linking from this proxy's memory only", e)
             return []
+        if self.shared:  # another proxy may publish a key a moment later: ask again next time
+            return rows
         found = {r.hash for r in rows}
         for h in ask:
             if h not in found:
