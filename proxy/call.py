@@ -28,7 +28,17 @@ from proxy.auth import Principal
 from proxy.errors import ApiError
 from proxy.providers import ProviderResponse, ProviderRoute
 from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras
-from proxy.sessions import Continuation, SessionRef, StepLink, body_hash, match_key, prefix_hashes, resolve
+from proxy.sessions import (
+    Continuation,
+    SessionRef,
+    StepLink,
+    body_hash,
+    is_output,
+    match_key,
+    prefix_hashes,
+    resolve,
+    unknown_keys,
+)
 from proxy.state import AppState
 from proxy.store.ids import new_id
 from proxy.store.links import LinkRow
@@ -118,7 +128,7 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
     session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session, body=body,
                             hashes=hashes, index=state.index, fingerprint=fingerprint)
     links = state.links
-    if links is not None and (wanted := _unknown_keys(cont, session, hashes, messages, inputs=links.shared)):
+    if links is not None and (wanted := unknown_keys(cont, session, hashes, messages, inputs=links.shared)):
         rows = await links.lookup(wanted, principal.tenant)
         if rows:
             state.index.learn(rows)
@@ -132,30 +142,6 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
         model=body.get("model"), client_info=_client_info(request.headers), started_at=datetime.now(UTC),
         t0=t0, start_ns=time.time_ns(),
     )
-
-
-def _unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any], *,
-                  inputs: bool = True) -> list[str]:
-    """The keys to ask the database for; [] when memory already has the answer.
-
-    Nothing known: when the history holds a model output (a first call costs no read), every key
-    where the database holds inputs too (`inputs`: the shared keys, whose input keys find a retry
-    another proxy served), else the keys that end with a model output (a stored step's transcript
-    always does). A parent known: only when a model output comes after it in the history, i.e. a
-    later turn this proxy did not serve may be the real parent; a client's usual next call
-    (outputs, then its tool results or a user turn) costs no query."""
-    if cont.parent is None and session.source != "continuation":  # (a sibling of a first step: known)
-        # Every stored transcript ends with a model output: a call with none in its history can
-        # only be a retry of a first call, which is not worth a read on every first call.
-        if not any(_is_output(m) for m in messages[:-1]):
-            return []
-        return hashes if inputs else [hashes[j] for j in range(len(hashes) - 1) if _is_output(messages[j])]
-    return [hashes[j] for j in range(cont.history_len, len(hashes) - 1) if _is_output(messages[j])]
-
-
-def _is_output(message: Any) -> bool:
-    return isinstance(message, dict) and (message.get("role") == "assistant"
-                                          or message.get("type") in ("function_call", "reasoning"))
 
 
 def _client_info(headers) -> dict[str, Any]:
@@ -246,7 +232,7 @@ def _tito_parent(call: Call, path: str, body: dict[str, Any]) -> list[int] | Non
             or body.get("n", 1) not in (1, None) or "continue_final_message" in body
             or "add_generation_prompt" in body):
         return None
-    if any(_is_output(m) for m in call.new_messages):
+    if any(is_output(m) for m in call.new_messages):
         return None  # a model turn the client wrote after the parent's answer: not the parent's tokens
     return call.state.tokens.get(parent.step_id)
 

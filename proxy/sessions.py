@@ -320,6 +320,30 @@ def _link(v: bytes) -> StepLink:
     return link
 
 
+def unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any], *,
+                  inputs: bool = True) -> list[str]:
+    """The keys to ask the database for; [] when memory already has the answer.
+
+    Nothing known: when the history holds a model output (a first call costs no read), every key
+    where the database holds inputs too (`inputs`: the shared keys, whose input keys find a retry
+    another proxy served), else the keys that end with a model output (a stored step's transcript
+    always does). A parent known: only when a model output comes after it in the history, i.e. a
+    later turn this proxy did not serve may be the real parent; a client's usual next call
+    (outputs, then its tool results or a user turn) costs no query."""
+    if cont.parent is None and session.source != "continuation":  # (a sibling of a first step: known)
+        # Every stored transcript ends with a model output: a call with none in its history can
+        # only be a retry of a first call, which is not worth a read on every first call.
+        if not any(is_output(m) for m in messages[:-1]):
+            return []
+        return hashes if inputs else [hashes[j] for j in range(len(hashes) - 1) if is_output(messages[j])]
+    return [hashes[j] for j in range(cont.history_len, len(hashes) - 1) if is_output(messages[j])]
+
+
+def is_output(message: Any) -> bool:
+    return isinstance(message, dict) and (message.get("role") == "assistant"
+                                          or message.get("type") in ("function_call", "reasoning"))
+
+
 def body_hash(tenant: str, body: dict[str, Any]) -> str:
     """A request body's fingerprint (per tenant), for telling a retry from a new run."""
     # Key order as the client sent it: a retry re-sends the same bytes, so the same order.
