@@ -8,6 +8,9 @@ compacted its history is rendered and recorded as such.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import anthropic
 import httpx
 import pytest
@@ -119,6 +122,40 @@ def _whole_chat(client, **kw) -> dict:
             "tool_calls": [{"name": tc.function.name, "arguments": tc.function.arguments} for tc in msg.tool_calls or ()]}
 
 
+def _stream_across_a_freeze(client, engine: str, **kw) -> tuple[dict, list[int]]:
+    """A streamed call the engine is frozen in mid-generation (`/pause?mode=keep`), so its first
+    tokens can be derendered and sent on before the rest exist, whatever the engine's speed.
+
+    vLLM's API server answers a derender late while it streams a fast engine's outputs (a 400-token
+    answer of the tiny model on a quiet AMX machine came as one chunk); frozen, it answers at once.
+    As in the keep-swap test the engine is frozen before the call reaches it, resumed, and frozen
+    again a moment later; the moment grows until the freeze lands mid-answer."""
+    gap, out = 0.005, {}
+
+    def run() -> None:
+        out["msg"], out["per_chunk"] = _stream_chat(client, **kw)
+
+    for attempt in range(6):
+        out.clear()
+        httpx.post(engine + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+        worker = threading.Thread(target=run)
+        try:
+            worker.start()
+            time.sleep(1.0)  # its renders (answered while frozen); its generate request waits in the engine
+            httpx.post(engine + "/resume", timeout=60).raise_for_status()
+            time.sleep(gap)
+            httpx.post(engine + "/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+            time.sleep(1.0)  # the tokens so far derendered and sent on while nothing more comes
+        finally:
+            httpx.post(engine + "/resume", timeout=60)  # never leave the shared engine frozen
+        worker.join(300)
+        print(f"attempt {attempt + 1}: refrozen after {gap * 1000:.0f} ms, output tokens per chunk {out['per_chunk']}")
+        if len(out["per_chunk"]) > 1:
+            break
+        gap *= 3
+    return out["msg"], out["per_chunk"]
+
+
 def test_a_streamed_continuation_is_incremental_and_says_what_the_whole_one_says(start_proxy, vllm_server,
                                                                                 factory) -> None:
     # One parent, then the same continuation whole and streamed (temperature 0: the same tokens). The
@@ -139,13 +176,16 @@ def test_a_streamed_continuation_is_incremental_and_says_what_the_whole_one_says
                  {"role": "tool", "tool_call_id": tc.id, "content": "12\n"},
                  {"role": "user", "content": "And the tests?"}]
     base = {"model": vllm_server.model, "messages": messages, "tools": tools, "temperature": 0}
-    # Incremental is asserted on a long answer: chunks the engine sent while a derender call ran are
-    # derendered together, so a short answer from a fast engine (59 tokens on a quiet Zen 4) can come
-    # as one chunk; 400 tokens cannot outrun the first derender.
+    # Incremental is asserted on a long answer the engine is frozen in mid-way: chunks the engine sent
+    # while a derender call ran are derendered together, and a fast engine's whole answer can outrun
+    # the first derender (59 tokens on a quiet Zen 4, 400 on a quiet AMX Xeon).
     long = {"tool_choice": "none", "max_tokens": 400, "extra_body": {"ignore_eos": True}}
     for kw in ({"tool_choice": forced, "max_tokens": traffic.TOOL_TOKENS}, long, {"tool_choice": "none", "max_tokens": 24}):
         whole = _whole_chat(client, **base, **kw)
-        streamed, per_chunk = _stream_chat(client, **base, **kw)
+        if kw is long:
+            streamed, per_chunk = _stream_across_a_freeze(client, vllm_server.base_url, **base, **kw)
+        else:
+            streamed, per_chunk = _stream_chat(client, **base, **kw)
         assert streamed == whole and len(whole["ids"]) > 1
         if kw is long:
             assert len(per_chunk) > 1 and per_chunk[0] < len(whole["ids"]), per_chunk  # incremental
