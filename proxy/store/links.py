@@ -47,7 +47,8 @@ SELECT hash, kind, step_id, session_id, parent_step_id, history_len FROM continu
 WHERE hash = ANY(%s::varchar[]) AND created_at > now() - make_interval(secs => %s)
 """
 
-# One proxy: the stored steps' transcripts (index ix_steps_transcript); the latest step of a hash.
+# One proxy: the stored steps' transcripts (hash index ix_steps_transcript_hash, migration 0014); the
+# latest step of a hash. The keys are seeded by the tenant already; naming it is defence in depth.
 _LOOKUP_STEPS = """
 SELECT DISTINCT ON (st.transcript_hash) st.transcript_hash, 't', st.id, se.external_id, NULL::varchar, 0
 FROM steps st JOIN sessions se ON se.id = st.session_id
@@ -177,8 +178,9 @@ class LinkStore:
         found = {r.hash for r in rows}
         for h in ask:
             if h not in found:
-                self._unknown[_key(h)] = now
-                self._unknown.move_to_end(_key(h))
+                key = _key(h)
+                self._unknown[key] = now
+                self._unknown.move_to_end(key)
         while self._unknown and (len(self._unknown) > self.unknown_entries
                                  or next(iter(self._unknown.values())) < now - self.unknown_ttl_s):
             self._unknown.popitem(last=False)

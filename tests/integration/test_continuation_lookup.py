@@ -63,8 +63,8 @@ def test_a_history_the_database_does_not_know_is_read_once(start_proxy, fake_ups
 
 
 def test_the_tenant_scopes_the_read(start_proxy, fake_upstream):
-    """A transcript of another tenant's is never found: the keys are seeded by the tenant, and the
-    read names it too."""
+    """Another tenant's transcript is never found by the read: its keys are seeded by the tenant
+    (the query also names the tenant, which this cannot tell apart from the seeding)."""
     a = start_proxy([fake_upstream.url])
     b = start_proxy([fake_upstream.url])
     msgs = [{"role": "system", "content": "shared prompt"}, {"role": "user", "content": "hello"}]

@@ -133,7 +133,10 @@ def _stream_across_a_freeze(client, engine: str, **kw) -> tuple[dict, list[int]]
     gap, out = 0.005, {}
 
     def run() -> None:
-        out["msg"], out["per_chunk"] = _stream_chat(client, **kw)
+        try:
+            out["msg"], out["per_chunk"] = _stream_chat(client, **kw)
+        except Exception as e:  # reported by the caller, not lost in the thread
+            out["error"] = e
 
     for attempt in range(6):
         out.clear()
@@ -149,6 +152,7 @@ def _stream_across_a_freeze(client, engine: str, **kw) -> tuple[dict, list[int]]
         finally:
             httpx.post(engine + "/resume", timeout=60)  # never leave the shared engine frozen
         worker.join(300)
+        assert not worker.is_alive() and "error" not in out, out
         print(f"attempt {attempt + 1}: refrozen after {gap * 1000:.0f} ms, output tokens per chunk {out['per_chunk']}")
         if len(out["per_chunk"]) > 1:
             break
