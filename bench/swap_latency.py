@@ -139,7 +139,9 @@ def run_mode(mode: str, engine, dirs: list[Path], names: list[str], args) -> dic
             if not app.state.versions.ready.wait(120):
                 raise SystemExit("the proxy did not load its versions")
             state = app.state.atdp
-            client = httpx.Client(timeout=300, trust_env=False)
+            # a new connection per swap: a kept-alive one the proxy closed after its idle timeout (a
+            # swap comes seconds after the last) fails a POST with "disconnected without a response"
+            client = httpx.Client(timeout=300, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
             k = 0
 
             def swap() -> dict:

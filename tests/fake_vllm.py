@@ -12,8 +12,8 @@ per UTF-8 byte) so token ids are predictable. The last user message scripts the 
 - `#brokenerror STATUS`: an error answer (HTTP STATUS) whose body breaks off mid-read
 - otherwise: answer "echo: <the message>" (or `#say TEXT` -> TEXT)
 
-It also has vLLM's dev-mode weight routes (/pause, /resume, /collective_rpc, /update_weight_version,
-/weight_info) so swap orchestration can be tested; the current "weights" prefix every answer.
+It also has vLLM's dev-mode weight routes (/pause, /sleep at level 0, /reset_prefix_cache, /resume,
+/collective_rpc, /update_weight_version, /weight_info) so swap orchestration can be tested; the current "weights" prefix every answer.
 It is a raw ASGI app (no framework) so it is fast enough to benchmark the proxy against.
 """
 
@@ -47,6 +47,7 @@ class FakeVLLM:
         self.weights = "w0"
         self.version = "base"
         self.paused = False
+        self.prefix_resets = 0
         self.chunk_size = chunk_size
         self.chunk_delay = 0.0  # seconds between streamed chunks (a model generating)
         self.requests: list[dict[str, Any]] = []
@@ -124,6 +125,12 @@ class FakeVLLM:
         elif path == "/pause":
             self.paused = True
             await self.json(send, 200, {"status": "paused"})
+        elif path == "/sleep":
+            self.paused = True
+            await self.json(send, 200, {"status": "sleeping", "level": 0})
+        elif path == "/reset_prefix_cache":
+            self.prefix_resets += 1
+            await self.json(send, 200, {"success": True})
         elif path == "/resume":
             self.paused = False
             await self.json(send, 200, {"status": "resumed"})

@@ -1,10 +1,19 @@
 """One replica's weight update through vLLM's dev-mode routes, in either swap mode.
 
-drain (`pause?mode=wait`): the proxy's gate already kept calls away and waited for those in flight;
-the engine has nothing running. keep (`pause?mode=keep`): the engine freezes its running requests
-where they are and carries them on after `/resume`, so the time between `/pause` and `/resume` (the
-window) is what a request in flight waits. In keep mode a failed update puts the previous weights
-back before resuming: no token is ever sampled by half-replaced weights.
+drain: the proxy's gate already kept calls away and waited for those in flight; the engine is asked
+to pause once it has nothing running (`mode=wait`). keep: the engine freezes its running requests
+where they are (`mode=keep`) and carries them on after `/resume`, so the time between pausing and
+`/resume` (the window) is what a request in flight waits. In keep mode a failed update puts the
+previous weights back before resuming: no token is ever sampled by half-replaced weights.
+
+The pause is `/sleep?level=0` (the engine's scheduler pause, answered as soon as it holds) rather
+than `/pause`, whose route sleeps 20 ms after the engine has paused (vLLM's
+`AsyncLLM.pause_generation`, "not required for correctness") and would double a small model's
+window. `/pause` would also reset the prefix cache, preempting running requests so they resume
+on the new weights' keys and values; with `/sleep` that reset is its own call
+(`/reset_prefix_cache?reset_running_requests=true`), sent beside the reload: both happen while the
+engine is paused, so their order does not matter. The version is tagged only once the weights are
+in place.
 
 The weights come from a checkpoint folder (`reload_weights`, disk) or from the trainer over vLLM's
 weight transfer engine (nccl: `/start_weight_update`, `/update_weights` while the trainer
@@ -16,6 +25,7 @@ posted by hand, a file that cannot be read, gates, rollbacks) reloads from disk.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -121,16 +131,34 @@ def source_for(checkpoint: str, name: str, transfer: str) -> Source:
     return from_transfer(info, name) if info is not None else from_checkpoint(checkpoint, name)
 
 
+async def reset_caches(routes: Routes) -> None:
+    """What `/pause` does besides pausing: drop the prefix cache and preempt the running requests, so
+    no key or value computed by the old weights is read by the new ones."""
+    resp = await routes.post("/reset_prefix_cache", params={"reset_running_requests": "true",
+                                                            "reset_external": "true"})
+    if resp.json().get("success") is not True:
+        raise SwapError(f"{routes.replica.label} reset_prefix_cache answered {resp.text[:300]}")
+
+
+async def _all(*steps: Awaitable[None]) -> None:
+    """Run `steps` together and wait for every one (none may still be under way when the caller puts
+    the old weights back or resumes); then raise the first failure."""
+    results = await asyncio.gather(*steps, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
 async def update(client: httpx.AsyncClient, replica: Replica, source: Source, *, headers: dict[str, str],
                  timeout_s: float, mode: SwapMode = "drain", fallback: Source | None = None) -> Timings:
     """Pause, put `source`'s weights in place, resume. `fallback` (keep mode): the previous weights,
     loaded before resuming when `source` fails; the error is raised after."""
     routes = Routes(client, replica, headers, timeout_s)
     t0 = time.perf_counter()
-    await routes.post("/pause", params={"mode": PAUSE_MODE[mode]})
+    await routes.post("/sleep", params={"level": "0", "mode": PAUSE_MODE[mode]}, what="pause (sleep level 0)")
     try:
         try:
-            await source(routes)
+            await _all(reset_caches(routes), source(routes))
         except BaseException:
             if fallback is not None and mode == "keep":
                 await fallback(routes)

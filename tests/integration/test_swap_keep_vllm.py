@@ -113,8 +113,12 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
             w.join(120)
         long.join(300)
         assert not errors, errors[:5]
-        # the long call ran across the swap and past the lowered drain and hold timeouts, and finished
-        assert long_result["t0"] < swap_t0 and long_result["t1"] > swap_t1, (long_result, swap_t0, swap_t1)
+        # the long call ran across the swap and past the lowered drain and hold timeouts, and finished:
+        # sent before the swap began, its first token came only after it began (the engine was frozen
+        # until the swap's resume). Not "ended after the POST answered": the test's process, which also
+        # hosts the proxy, sometimes stalls for 2-3 s around the swap (seen before and after the
+        # pause moved to /sleep), and a tiny model finishes 1,200 tokens within such a stall.
+        assert long_result["t0"] < swap_t0 < long_result["first"], (long_result, swap_t0, swap_t1)
         assert long_result["t1"] - long_result["t0"] > 2.0 and long_result["finish"] == "length"
         assert httpx.get(vllm_server.base_url + "/weight_info", timeout=10).json()["weight_version"] == "v1"
 

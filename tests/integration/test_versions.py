@@ -31,7 +31,7 @@ class TimedFake(FakeVLLM):
         self.log, self.name = log, name
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] in ("/pause", "/resume"):
+        if scope["type"] == "http" and scope["path"] in ("/sleep", "/resume"):
             self.log.append((time.monotonic(), self.name, scope["path"]))
         await super().__call__(scope, receive, send)
 
@@ -138,7 +138,7 @@ def test_swap_two_replicas_one_at_a_time_with_held_requests(start_proxy, fakes, 
 
     # One at a time: replica b paused only after replica a resumed.
     events = [(name, path) for _, name, path in sorted(log)]
-    assert events == [("a", "/pause"), ("a", "/resume"), ("b", "/pause"), ("b", "/resume")]
+    assert events == [("a", "/sleep"), ("a", "/resume"), ("b", "/sleep"), ("b", "/resume")]
     assert all(u.weights == "w1" and u.version == "v1" for u in upstreams)
 
     # Every stored step: its per-token versions are the version of the weights that wrote its text.

@@ -63,14 +63,19 @@ def test_an_ambiguous_step_is_not_eligible_and_says_why():
 class Engine:
     """Records the dev-mode calls; `fail` names a checkpoint whose reload answers 500."""
 
-    def __init__(self, fail: str | None = None) -> None:
+    def __init__(self, fail: str | None = None, no_reset: bool = False) -> None:
         self.calls: list[str] = []
-        self.fail = fail
+        self.fail, self.no_reset = fail, no_reset
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
-        if path == "/pause":
+        if path == "/sleep":
+            assert request.url.params["level"] == "0"  # the scheduler's pause, no memory released
             self.calls.append(f"pause:{request.url.params['mode']}")
+        elif path == "/reset_prefix_cache":
+            assert request.url.params["reset_running_requests"] == "true"
+            self.calls.append("reset")
+            return httpx.Response(200, json={"success": not self.no_reset})
         elif path == "/collective_rpc":
             weights = httpx.Request("POST", "x", content=request.content).read()
             name = "bad" if self.fail and self.fail.encode() in weights else "ok"
@@ -97,13 +102,23 @@ def _run(engine: Engine, checkpoint: str, **kw):
 def test_keep_mode_pauses_with_keep_and_a_failed_reload_puts_the_old_weights_back_before_resuming():
     engine = Engine()
     timings = _run(engine, "/ckpt/v1", mode="keep", fallback=("/ckpt/base", "base"))
-    assert engine.calls == ["pause:keep", "reload:ok", "tag:v1", "resume"]
-    assert timings.window_s >= 0 and set(timings.steps) == {"pause", "collective_rpc", "update_weight_version", "resume"}
+    assert engine.calls == ["pause:keep", "reset", "reload:ok", "tag:v1", "resume"]
+    assert timings.window_s >= 0 and set(timings.steps) == {
+        "sleep", "reset_prefix_cache", "collective_rpc", "update_weight_version", "resume"}
 
     engine = Engine(fail="/ckpt/v1")
     with pytest.raises(SwapError, match=r"reload_weights\(/ckpt/v1\) answered 500"):
         _run(engine, "/ckpt/v1", mode="keep", fallback=("/ckpt/base", "base"))
-    assert engine.calls == ["pause:keep", "reload:bad", "reload:ok", "tag:base", "resume"]
+    assert engine.calls == ["pause:keep", "reset", "reload:bad", "reload:ok", "tag:base", "resume"]
+
+
+def test_a_prefix_cache_that_would_not_reset_fails_the_update_and_the_old_weights_come_back():
+    # The old weights' keys and values would otherwise be read by the new ones.
+    engine = Engine(no_reset=True)
+    with pytest.raises(SwapError, match="reset_prefix_cache"):
+        _run(engine, "/ckpt/v1", mode="keep", fallback=("/ckpt/base", "base"))
+    # the reload ran beside the reset and finished before the old weights were put back
+    assert engine.calls == ["pause:keep", "reset", "reload:ok", "tag:v1", "reload:ok", "tag:base", "resume"]
 
 
 def test_drain_mode_waits_and_always_resumes():
@@ -111,7 +126,7 @@ def test_drain_mode_waits_and_always_resumes():
     with pytest.raises(SwapError):
         _run(engine, "/ckpt/v1")
     # drain: the caller restores behind its closed gate (proxy.control.swap); the engine is never left paused
-    assert engine.calls == ["pause:wait", "reload:bad", "resume"]
+    assert engine.calls == ["pause:wait", "reset", "reload:bad", "resume"]
 
 
 def test_a_call_across_two_updates_names_the_first_and_the_last_version():

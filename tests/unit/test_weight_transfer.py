@@ -65,10 +65,10 @@ class Engine:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         route = request.url.path.strip("/")
-        if route == "pause":
-            route += ":" + request.url.params["mode"]
+        if route == "sleep":
+            route = "pause:" + request.url.params["mode"]
         self.calls.append((route, json.loads(request.content) if request.content else None))
-        return httpx.Response(500 if route == self.fail else 200, json={})
+        return httpx.Response(500 if route == self.fail else 200, json={"success": True})
 
 
 def _swap(engine: Engine, source, **kw):
@@ -88,7 +88,8 @@ def test_the_swap_calls_the_transfer_routes_with_the_declared_info_and_the_versi
     wt.write_transfer_file(tmp_path, INFO)
     engine = Engine()
     _swap(engine, source_for(str(tmp_path), "v7", "nccl"), mode="keep")
-    assert engine.calls == [("pause:keep", None), ("start_weight_update", None), ("update_weights", {"update_info": INFO}),
+    assert engine.calls == [("pause:keep", None), ("reset_prefix_cache", None), ("start_weight_update", None),
+                            ("update_weights", {"update_info": INFO}),
                             ("finish_weight_update", {"weight_version": "v7"}), ("resume", None)]
 
 
@@ -97,9 +98,9 @@ def test_a_failed_transfer_in_keep_mode_reloads_the_previous_checkpoint_before_r
     engine = Engine(fail="update_weights")
     with pytest.raises(SwapError, match="update_weights answered 500"):
         _swap(engine, source_for(str(tmp_path), "v7", "nccl"), mode="keep", fallback=from_checkpoint("/ckpt/v6", "v6"))
-    assert [c[0] for c in engine.calls] == ["pause:keep", "start_weight_update", "update_weights", "collective_rpc",
-                                            "update_weight_version", "resume"]
-    assert engine.calls[3][1] == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/v6"}}
+    assert [c[0] for c in engine.calls] == ["pause:keep", "reset_prefix_cache", "start_weight_update", "update_weights",
+                                            "collective_rpc", "update_weight_version", "resume"]
+    assert engine.calls[4][1] == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/v6"}}
 
 
 @pytest.mark.parametrize("transfer, declared, content", [
@@ -116,7 +117,8 @@ def test_anything_short_of_a_declared_transfer_reloads_from_disk(tmp_path, trans
             (tmp_path / wt.TRANSFER_FILE).write_text(content)
     engine = Engine()
     _swap(engine, source_for(str(tmp_path), "v7", transfer))
-    assert [c[0] for c in engine.calls] == ["pause:wait", "collective_rpc", "update_weight_version", "resume"]
+    assert [c[0] for c in engine.calls] == ["pause:wait", "reset_prefix_cache", "collective_rpc", "update_weight_version",
+                                            "resume"]
 
 
 @dataclass
