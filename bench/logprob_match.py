@@ -8,9 +8,10 @@ temperature 1 with logprobs, and recomputes each output token's logprob with the
 
     fp32        fp32 weights, fp32 compute (the trainer's default)
     bf16        bf16 weights and compute, fp32 log-softmax (the engine's dtype)
-    engine_bf16, engine_bf16-trunc
+    engine_bf16, engine_bf16-amx, engine_bf16-trunc
                 fp32 compute rounded to bf16 where a bf16 vLLM engine rounds, in each of
-                trainer/numerics.py's profiles (round-to-nearest or truncated attention output)
+                trainer/numerics.py's profiles (round-to-nearest, AMX attention, or truncated
+                attention output)
 
 It also scores each sampled sequence with the engine itself in one pass (`prompt_logprobs` on the
 prompt + output ids: every output token's logprob from a prefill, as a trainer computes them),
@@ -95,7 +96,7 @@ def engine_prefill(base_url: str, steps: list[StepTokens]) -> tuple[list[float],
 
 
 NUMERICS = {"fp32": ("fp32", None), "bf16": ("bf16", None), "engine_bf16": ("fp32", "bf16"),
-            "engine_bf16-trunc": ("fp32", "bf16-trunc")}
+            "engine_bf16-amx": ("fp32", "bf16-amx"), "engine_bf16-trunc": ("fp32", "bf16-trunc")}
 
 
 def diffs(model_dir: Path, steps: list[StepTokens], numerics: str) -> tuple[list[float], list[int]]:

@@ -19,7 +19,7 @@ answers (temperature 1, seeded) to the bench's questions; nothing here talks to 
 reports each variant against the engine's behaviour logprobs: a variant that fits the engine better
 than the emulation points at the GEMM the engine runs.
 
-  python bench/numerics_floor.py [--model tiny|smollm2] [--profile bf16|bf16-trunc] [--prompts tuning|heldout]
+  python bench/numerics_floor.py [--model tiny|smollm2] [--profile bf16|bf16-amx|bf16-trunc] [--prompts tuning|heldout]
                                  [--weights trained-looking|base] [--steps FILE] [--out FILE]
 """
 
@@ -130,7 +130,7 @@ def stats(values: list[float]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
-    p.add_argument("--profile", default="bf16", choices=["bf16", "bf16-trunc"])
+    p.add_argument("--profile", default="bf16", choices=["bf16", "bf16-amx", "bf16-trunc"])
     p.add_argument("--prompts", default="heldout", choices=["tuning", "heldout"])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=24)

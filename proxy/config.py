@@ -246,7 +246,7 @@ class Settings(BaseSettings):
     train_compute_dtype: str = Field("", description="bf16: bf16 compute under FSDP2 (default: as stored)")
     train_save_dtype: str = Field("fp32", description="checkpoint dtype (the engine casts to its own)")
     train_engine_numerics: str = Field(
-        "auto", description="auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-trunc (trainer/numerics.py)")
+        "auto", description="auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-amx | bf16-trunc (trainer/numerics.py)")
     train_behaviour_logprobs: str = Field(
         "auto", description="auto: ask the engine; processed: vLLM reports logprobs after temperature/top-p "
         "(--logprobs-mode processed_logprobs), each step is recomputed with its sampling; raw: temperature 1")

