@@ -33,7 +33,7 @@ while time.monotonic() < end:
     time.sleep(0.01)
     now = time.monotonic()
     if now - last > limit:
-        print(f"{now - (now - last):.2f} {now - last:.2f}", flush=True)
+        print(f"{last:.2f} {now - last:.2f}", flush=True)  # when the stop began, how long
     last = now
 """
 

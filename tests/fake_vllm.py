@@ -13,7 +13,8 @@ per UTF-8 byte) so token ids are predictable. The last user message scripts the 
 - otherwise: answer "echo: <the message>" (or `#say TEXT` -> TEXT)
 
 It also has vLLM's dev-mode weight routes (/pause, /sleep at level 0, /reset_prefix_cache, /resume,
-/collective_rpc, /update_weight_version, /weight_info) so swap orchestration can be tested; the current "weights" prefix every answer.
+/collective_rpc, /update_weight_version, /weight_info) so swap orchestration can be tested; the
+current "weights" prefix every answer.
 It is a raw ASGI app (no framework) so it is fast enough to benchmark the proxy against.
 """
 

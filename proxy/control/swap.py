@@ -3,8 +3,8 @@
 A swap goes one replica at a time, in the mode `ATDP_SWAP_MODE` names.
 drain: close its gate (new calls wait or go to another open replica), wait until its in-flight
 calls drained, run vLLM's dev-mode sequence (pause, reload weights beside a prefix-cache reset,
-tag the weight version, resume: proxy.control.engine_weights), set `replica.version`, reopen. A call is stamped with `replica.version` when it enters the
-gate and no call is in flight while the weights change, so every output token's version is exact.
+tag the weight version, resume: proxy.control.engine_weights), set `replica.version`, reopen. A
+call is stamped with `replica.version` when it enters the gate and no call is in flight while the weights change, so every output token's version is exact.
 keep: the gate stays open; every proxy opens a swap window on the replica (proxy.upstream: calls in
 flight across it learn they may hold tokens of both versions), then the engine pauses with `keep`,
 reloads, is tagged, resumes, and the window closes with the new version stamped.

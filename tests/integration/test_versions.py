@@ -140,6 +140,8 @@ def test_swap_two_replicas_one_at_a_time_with_held_requests(start_proxy, fakes, 
     events = [(name, path) for _, name, path in sorted(log)]
     assert events == [("a", "/sleep"), ("a", "/resume"), ("b", "/sleep"), ("b", "/resume")]
     assert all(u.weights == "w1" and u.version == "v1" for u in upstreams)
+    # each engine's prefix cache dropped once, inside its pause (no old-weight keys reach the new weights)
+    assert [u.prefix_resets for u in upstreams] == [1, 1]
 
     # Every stored step: its per-token versions are the version of the weights that wrote its text.
     weights_of = {"base": "w0", "v1": "w1"}
