@@ -151,9 +151,9 @@ class TokenDecision:
     `output_ids`; `output_mask` (None: all 1) is 0 for output tokens that are not the engine's."""
 
     source: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
+    prompt_ids: Sequence[int]  # lists, or the capture's machine arrays
+    output_ids: Sequence[int]
+    logprobs: Sequence[float]
     versions: list[str]
     output_mask: list[int] | None = None
     reason: str = ""

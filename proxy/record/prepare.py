@@ -131,10 +131,12 @@ def version_window(st: CapturedStep) -> tuple[str, str] | None:
 
 
 def engine_tokens(st: CapturedStep) -> TokenDecision:
-    """The ids exactly as the engine produced them (source `none` when the call produced none)."""
+    """The ids exactly as the engine produced them (source `none` when the call produced none). The
+    captured machine arrays are passed on as they are: a copy to a list and back for the prefix
+    check cost more than the rest of preparing an agent-sized step."""
     has = bool(st.output_token_ids or st.prompt_token_ids)
-    return TokenDecision(TokenSource.engine if has else TokenSource.none, list(st.prompt_token_ids),
-                         list(st.output_token_ids), list(st.output_logprobs), versions_of(st), None)
+    return TokenDecision(TokenSource.engine if has else TokenSource.none, st.prompt_token_ids,
+                         st.output_token_ids, st.output_logprobs, versions_of(st), None)
 
 
 def dropped_tokens() -> TokenDecision:

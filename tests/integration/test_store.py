@@ -134,6 +134,37 @@ def test_round_trip_session_validates(factory, tenant):
     assert doc.reward == 0.5 and doc.task_id == "task-1"
 
 
+def test_a_session_row_keeps_its_first_client_and_task_and_moves_forward(factory, tenant):
+    """The sessions upsert (one statement over arrays per batch): a session's first client and task
+    stay, a later batch fills a task the first lacked, `last_step_at` only moves forward, and the
+    JSON fields arrive as documents (a NUL stored as U+FFFD)."""
+    from datetime import timedelta
+
+    r1 = _record(tenant, "s-up", [{"role": "user", "content": "one"}], 0, "a")
+    r1.session.client_info, r1.session.labels = {"ua": "hermes/1.0"}, {"team": "a\x00b", "n": 2}
+    r2 = _record(tenant, "s-up", [{"role": "user", "content": "two"}], 2, "b", parent=r1.id, task="task-9")
+    r2.session.client = "other"
+    r2.started_at = r1.started_at + timedelta(seconds=5)
+    late = _record(tenant, "s-up", [{"role": "user", "content": "three"}], 4, "c", parent=r2.id)
+    late.started_at = r1.started_at - timedelta(seconds=60)  # a spooled step written late
+    other = _record(tenant, "s-up-2", [{"role": "user", "content": "x"}], 0, "d", task="task-2")
+    with db.transaction(factory) as s:
+        assert write_steps(s, [r1], new_id) == 1
+    with db.transaction(factory) as s:
+        assert write_steps(s, [other, r2], new_id) == 2
+    with db.transaction(factory) as s:
+        assert write_steps(s, [late], new_id) == 1
+    with factory() as s:
+        rows = {x.external_id: x for x in s.scalars(select(t.Session).where(t.Session.tenant_id == tenant))}
+        sess = rows["s-up"]
+        assert (sess.client, sess.task_id) == ("test", "task-9")
+        assert sess.started_at == r1.started_at and sess.last_step_at == r2.started_at
+        assert sess.client_info == {"ua": "hermes/1.0"} and sess.labels == {"team": "a\ufffdb", "n": 2}
+        assert rows["s-up-2"].task_id == "task-2" and rows["s-up-2"].id != sess.id
+        seqs = s.execute(select(t.Step.seq).where(t.Step.session_id == sess.id).order_by(t.Step.seq)).scalars().all()
+        assert seqs == [1, 2, 3]
+
+
 def test_shared_system_prompt_stored_once(factory, tenant):
     system = "You are a careful coding agent. " * 640  # ~20 KB
     assert len(system) >= 20_000

@@ -133,3 +133,23 @@ def test_a_card_sent_as_a_bare_json_number_makes_the_step_dirty(redactor: Redact
     assert rec.token_source == TokenSource.dropped  # no tokenizer: ids that held it cannot be kept
     stored = {c.kind: c.body for c in rec.contents}["message"]
     assert "4111111111111111" not in json.dumps(stored)
+
+
+def test_the_record_keeps_the_captured_arrays_and_spools_as_lists(redactor: Redactor) -> None:
+    """The writer passes the capture's machine arrays through to its record (no copy to a list and
+    back per step); the spool's JSON still holds plain lists, and reads back to the same record."""
+    import orjson
+
+    from proxy.store.write import StepRecord
+
+    parent = step(messages=[{"role": "user", "content": "hi"}], prompt="hi there")
+    child = step(messages=[{"role": "user", "content": "more"}], prompt="hi thereok and more", parent=parent.step_id)
+    prep = preparer(redactor)
+    _, rec = prep.prepare([parent, child])
+    assert type(child.prompt_token_ids).__name__ == "array"  # what the capture holds
+    assert list(rec.prompt_token_ids) == list(b" and more") and rec.prompt_prefix_len == len(b"hi thereok")
+    assert list(rec.output_token_ids) == list(b"ok") and list(rec.output_logprobs) == [0.0, 0.0]
+    data = orjson.loads(orjson.dumps(rec.to_json(), option=orjson.OPT_NAIVE_UTC))
+    assert data["prompt_token_ids"] == list(b" and more") and data["output_logprobs"] == [0.0, 0.0]
+    back = StepRecord.from_json(data)
+    assert back.prompt_token_ids == list(b" and more") and back.prompt_prefix_len == rec.prompt_prefix_len
