@@ -5,8 +5,10 @@ three ways of putting them in place in each round (no proxy, no traffic):
     bare     `POST /collective_rpc reload_weights` alone (no pause, no tag): vLLM's own reload
     pause    `/pause?mode=keep`, reload, `/update_weight_version`, `/resume`, one after another
              (the proxy's sequence before; `/pause` answers 20 ms after the engine paused)
+    tag-after  `/sleep?level=0`, the prefix reset beside the reload, then the tag, `/resume` (the
+             proxy's sequence before the tag went beside the reload)
     sleep    the proxy's sequence now (`proxy.control.engine_weights.update`): `/sleep?level=0`,
-             the prefix reset beside the reload, the tag, `/resume`
+             the prefix reset, the reload and the tag together, `/resume`
 The window is from sending the pause to `/resume` answered: what a request in flight waits.
 
   python bench/pause_routes.py [--model tiny|smollm2] [--rounds 5] [--swaps 8] [--out FILE]
@@ -30,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.control.engine_weights import from_checkpoint, update  # noqa: E402
+from proxy.control.engine_weights import Routes, from_checkpoint, update  # noqa: E402
 from proxy.upstream import ReplicaPool  # noqa: E402
 
 
@@ -58,6 +60,17 @@ def sleep_path(pool: ReplicaPool):
     return run
 
 
+def tag_after_path(pool: ReplicaPool):
+    async def run(c: httpx.AsyncClient, ckpt: str, name: str) -> float:
+        async def load(routes: Routes) -> None:
+            await routes.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": ckpt}})
+            await routes.post("/update_weight_version", json={"new_version": name})
+
+        t = await update(c, pool.replicas[0], load, headers={}, timeout_s=120, mode="keep")
+        return t.window_s
+    return run
+
+
 def summary(xs: list[float]) -> dict:
     s = sorted(xs)
     return {"n": len(s), "p50_ms": round(statistics.median(s) * 1000, 1), "p90_ms": round(s[int(0.9 * (len(s) - 1))] * 1000, 1)}
@@ -65,7 +78,7 @@ def summary(xs: list[float]) -> dict:
 
 async def measure(base_url: str, dirs: list[str], rounds: int, swaps: int) -> dict:
     pool = ReplicaPool([base_url])
-    ways = {"bare": bare, "pause": pause, "sleep": sleep_path(pool)}
+    ways = {"bare": bare, "pause": pause, "tag-after": tag_after_path(pool), "sleep": sleep_path(pool)}
     out: dict[str, list[float]] = {k: [] for k in ways}
     async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False) as c:
         for r in range(rounds):
@@ -78,7 +91,7 @@ async def measure(base_url: str, dirs: list[str], rounds: int, swaps: int) -> di
             info = (await c.get("/weight_info")).json()["weight_version"]
             assert info.startswith("sleep"), info
     res = {k: summary(v) for k, v in out.items()}
-    for k in ("pause", "sleep"):
+    for k in ("pause", "tag-after", "sleep"):
         res[k]["over_bare_p50"] = round(res[k]["p50_ms"] / res["bare"]["p50_ms"], 2)
     return res
 

@@ -12,8 +12,9 @@ than `/pause`, whose route sleeps 20 ms after the engine has paused (vLLM's
 window. `/pause` would also reset the prefix cache, preempting running requests so they resume
 on the new weights' keys and values; with `/sleep` that reset is its own call
 (`/reset_prefix_cache?reset_running_requests=true`), sent beside the reload: both happen while the
-engine is paused, so their order does not matter. The version is tagged only once the weights are
-in place.
+engine is paused, so their order does not matter. So is the version tag (`/update_weight_version`):
+vLLM's engine core stamps outputs with the version current when the step that sampled them ends,
+and no step runs while paused.
 
 The weights come from a checkpoint folder (`reload_weights`, disk) or from the trainer over vLLM's
 weight transfer engine (nccl: `/start_weight_update`, `/update_weights` while the trainer
@@ -91,9 +92,14 @@ def from_checkpoint(checkpoint: str, name: str) -> Source:
     """The disk path: the engine reloads `checkpoint` (same architecture) and is tagged `name`."""
 
     async def load(routes: Routes) -> None:
-        await routes.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}},
-                          what=f"reload_weights({checkpoint})")
-        await routes.post("/update_weight_version", json={"new_version": name})
+        # Both while the engine is paused, so sent together (one round trip less in the window): the
+        # engine core stamps a step's outputs with its version when that step ends, and no step
+        # runs until `/resume`. A failed reload is followed by the previous weights and their tag
+        # (the keep-mode fallback, or the drain-mode restore behind the closed gate).
+        await _all(routes.post("/collective_rpc", json={"method": "reload_weights",
+                                                        "kwargs": {"weights_path": checkpoint}},
+                               what=f"reload_weights({checkpoint})"),
+                   routes.post("/update_weight_version", json={"new_version": name}))
 
     return load
 
@@ -140,7 +146,7 @@ async def reset_caches(routes: Routes) -> None:
         raise SwapError(f"{routes.replica.label} reset_prefix_cache answered {resp.text[:300]}")
 
 
-async def _all(*steps: Awaitable[None]) -> None:
+async def _all(*steps: Awaitable[object]) -> None:
     """Run `steps` together and wait for every one (none may still be under way when the caller puts
     the old weights back or resumes); then raise the first failure."""
     results = await asyncio.gather(*steps, return_exceptions=True)
