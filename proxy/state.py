@@ -48,6 +48,7 @@ class AppState:
     http: aiohttp.ClientSession | None = None  # model traffic (the hot path); set at start-up
     keys: dict[str, Principal] = field(default_factory=dict)  # sha256(key) -> principal
     misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
+    lookups: dict[str, asyncio.Future[Principal | None]] = field(default_factory=dict)  # key lookups under way
     stopping: threading.Event = field(default_factory=threading.Event)  # set when the app shuts down
     diagnosis: DiagnosisCache = field(default_factory=DiagnosisCache)  # snapshots served by the route
     canary: CanaryRouter = field(default_factory=CanaryRouter)  # gate 3's routing; its factory is set on connect
@@ -74,7 +75,7 @@ class AppState:
         principal = self.keys.get(h)
         if principal is None and self.misses.get(h, 0) < time.monotonic():
             try:
-                principal = await self._lookup(h)
+                principal = await self._lookup_once(h)
             except ApiError:
                 if not s.open_mode:
                     raise
@@ -88,6 +89,15 @@ class AppState:
         if admin and not principal.is_admin and principal.scopes is None:
             raise ApiError(403, "this route needs the admin key", type="permission_error")
         return principal
+
+    async def _lookup_once(self, h: str) -> Principal | None:
+        """One database lookup per key at a time: the calls that arrive while it runs (a busy client
+        with a placeholder key in open mode, each time its miss expires) wait for the same answer."""
+        pending = self.lookups.get(h)
+        if pending is None:
+            pending = self.lookups[h] = asyncio.ensure_future(self._lookup(h))
+            pending.add_done_callback(lambda _: self.lookups.pop(h, None))
+        return await asyncio.shield(pending)
 
     async def _lookup(self, h: str) -> Principal | None:
         factory = self.factory
@@ -103,7 +113,10 @@ class AppState:
         except Exception:
             raise ApiError(503, "cannot verify the API key: the database is unavailable") from None
         if principal is None:
-            self.misses[h] = time.monotonic() + 2.0
+            now = time.monotonic()
+            if len(self.misses) >= 10_000:  # bounded: expired misses say nothing any more
+                self.misses = {k: t for k, t in self.misses.items() if t > now}
+            self.misses[h] = now + 2.0
         else:
             self.keys[h] = principal
         return principal
