@@ -33,9 +33,14 @@ def int_array(values: Iterable[int] | None) -> str | None:
     return None if values is None else "{" + ",".join(map(str, values)) + "}"
 
 
+_REAL = "{:.9g}".format  # 9 significant digits name every float32 exactly (FLT_DECIMAL_DIG)
+
+
 def real_array(values: Iterable[float]) -> str:
-    """A `real[]` literal. Python writes NaN and infinities as nan, inf, -inf: PostgreSQL reads those."""
-    return "{" + ",".join(map(repr, values)) + "}"
+    """A `real[]` literal. The logprobs are float32 values (the engine's, kept as `array('f')`): 9
+    significant digits read back (strtof) as the same float, in 40% fewer characters and a third of
+    the time of `repr`'s 17. NaN and infinities are written nan, inf, -inf: PostgreSQL reads those."""
+    return "{" + ",".join(map(_REAL, values)) + "}"
 
 
 def text_array(values: Sequence[str]) -> str:

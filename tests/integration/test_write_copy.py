@@ -114,3 +114,29 @@ def test_a_record_the_database_refuses_in_a_copy_is_set_aside_and_the_rest_writt
     assert letter.reason.startswith("DataError")
     with factory() as s:
         assert s.get(t.Step, good.id) is not None and s.get(t.Step, bad.id) is None
+
+
+def test_float32_logprobs_come_back_bit_for_bit(factory, tenant):
+    """The COPY writes logprobs with 9 significant digits: every float32 the engine can report reads
+    back as the same float (extremes and subnormals included), and NaN and infinities stay what they are."""
+    import random
+    import struct
+    from array import array
+
+    rng = random.Random(11)
+    bits = [rng.getrandbits(32) for _ in range(20_000)]
+    values = [v for v in struct.unpack(f"{len(bits)}f", struct.pack(f"{len(bits)}I", *bits)) if math.isfinite(v)]
+    values += [-0.0, 0.0, 1.4e-45, -1.4e-45, 1.17549435e-38, 3.4028235e38, -3.4028235e38, -1e-7, -20.0]
+    logprobs = array("f", values)  # as the capture holds them
+    rec = _step(tenant, "copy-f32", datetime.now(UTC), output_token_ids=list(range(len(logprobs))),
+                output_logprobs=logprobs, output_versions=[["base", len(logprobs)]])
+    special = _step(tenant, "copy-f32", datetime.now(UTC), output_logprobs=array("f", [math.nan, -math.inf]))
+    with db.transaction(factory) as s:
+        assert write_steps(s, [rec, special], new_id) == 2
+    with factory() as s:
+        # read the stored float4s as their bit patterns: no float formatting on the way back
+        got = s.execute(text("SELECT float4send(x) FROM unnest((SELECT output_logprobs FROM steps WHERE id = :id))"
+                             " WITH ORDINALITY AS u(x, n) ORDER BY n"), {"id": rec.id}).scalars().all()
+        stored = s.get(t.Step, special.id).output_logprobs
+    assert [bytes(b) for b in got] == [struct.pack(">f", v) for v in logprobs]
+    assert math.isnan(stored[0]) and stored[1] == -math.inf
