@@ -7,9 +7,12 @@ three ways of putting them in place in each round (no proxy, no traffic):
              (the proxy's sequence before; `/pause` answers 20 ms after the engine paused)
     tag-after  `/sleep?level=0`, the prefix reset beside the reload, then the tag, `/resume` (the
              proxy's sequence before the tag went beside the reload)
-    sleep    the proxy's sequence now (`proxy.control.engine_weights.update`): `/sleep?level=0`,
-             the prefix reset, the reload and the tag together, `/resume`
-The window is from sending the pause to `/resume` answered: what a request in flight waits.
+    sleep    `/sleep?level=0`, then the prefix reset, the reload and the tag together, `/resume`
+             (the proxy's sequence for an engine without the extension)
+    one      the proxy's way now (`proxy.control.engine_weights.update`): the same engine calls in
+             one request, `POST /atdp/update_weights` (proxy/control/vllm_ext/atdp_update.py)
+The window is from sending the pause to `/resume` answered: what a request in flight waits; for
+`one`, from sending the request to its answer, which holds the engine's pause inside it.
 
   python bench/pause_routes.py [--model tiny|smollm2] [--rounds 5] [--swaps 8] [--out FILE]
 """
@@ -53,10 +56,12 @@ async def pause(c: httpx.AsyncClient, ckpt: str, name: str) -> float:
     return time.perf_counter() - t0
 
 
-def sleep_path(pool: ReplicaPool):
+def sleep_path(pool: ReplicaPool, one_request: bool):
     async def run(c: httpx.AsyncClient, ckpt: str, name: str) -> float:
+        pool.replicas[0].update_route = None if one_request else False
         t = await update(c, pool.replicas[0], from_checkpoint(ckpt, name), headers={}, timeout_s=120, mode="keep")
-        return t.window_s
+        assert ("atdp/update_weights" in t.steps) == one_request, t.steps
+        return t.window_s  # one request: sent to answered, which holds the engine's own window
     return run
 
 
@@ -78,7 +83,8 @@ def summary(xs: list[float]) -> dict:
 
 async def measure(base_url: str, dirs: list[str], rounds: int, swaps: int) -> dict:
     pool = ReplicaPool([base_url])
-    ways = {"bare": bare, "pause": pause, "tag-after": tag_after_path(pool), "sleep": sleep_path(pool)}
+    ways = {"bare": bare, "pause": pause, "tag-after": tag_after_path(pool), "sleep": sleep_path(pool, False),
+            "one": sleep_path(pool, True)}
     out: dict[str, list[float]] = {k: [] for k in ways}
     async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False) as c:
         for r in range(rounds):
@@ -89,9 +95,9 @@ async def measure(base_url: str, dirs: list[str], rounds: int, swaps: int) -> di
                     await bare(c, dirs[0], "back")
             # the engine answers and carries the last tag
             info = (await c.get("/weight_info")).json()["weight_version"]
-            assert info.startswith("sleep"), info
+            assert info.startswith("one"), info
     res = {k: summary(v) for k, v in out.items()}
-    for k in ("pause", "tag-after", "sleep"):
+    for k in ("pause", "tag-after", "sleep", "one"):
         res[k]["over_bare_p50"] = round(res[k]["p50_ms"] / res["bare"]["p50_ms"], 2)
     return res
 

@@ -85,6 +85,9 @@ class Replica:
     in_swap: bool = False
     previous_version: str | None = None
     next_version: str | None = None
+    # Whether the engine serves the one-request weight update (proxy.control.engine_weights); None:
+    # not asked yet.
+    update_route: bool | None = None
     _open: asyncio.Event = field(default_factory=asyncio.Event)
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
 

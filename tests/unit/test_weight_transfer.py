@@ -67,6 +67,8 @@ class Engine:
         route = request.url.path.strip("/")
         if route == "sleep":
             route = "pause:" + request.url.params["mode"]
+        if route == "atdp/update_weights":  # a vLLM started without the extension
+            return httpx.Response(404, json={"detail": "Not Found"})
         self.calls.append((route, json.loads(request.content) if request.content else None))
         return httpx.Response(500 if route == self.fail else 200, json={"success": True})
 
