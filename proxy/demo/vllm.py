@@ -95,7 +95,8 @@ class VLLMServer:
     max_model_len: int = 2048
     log_path: Path | None = None  # default: a new file in the temp folder
     ready_timeout: float = 600.0  # used by the context manager; cold starts compile for minutes
-    update_ext: bool = True  # serve the one-request weight update (POST /atdp/update_weights)
+    # serve the one-request weight update (POST /atdp/update_weights); off where the file is missing
+    update_ext: bool = field(default_factory=lambda: (UPDATE_EXT_DIR / "atdp_update.py").is_file())
 
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
