@@ -56,7 +56,7 @@ async def pause(c: httpx.AsyncClient, ckpt: str, name: str) -> float:
     return time.perf_counter() - t0
 
 
-def sleep_path(pool: ReplicaPool, one_request: bool):
+def proxy_path(pool: ReplicaPool, one_request: bool):
     async def run(c: httpx.AsyncClient, ckpt: str, name: str) -> float:
         pool.replicas[0].update_route = None if one_request else False
         t = await update(c, pool.replicas[0], from_checkpoint(ckpt, name), headers={}, timeout_s=120, mode="keep")
@@ -83,8 +83,8 @@ def summary(xs: list[float]) -> dict:
 
 async def measure(base_url: str, dirs: list[str], rounds: int, swaps: int) -> dict:
     pool = ReplicaPool([base_url])
-    ways = {"bare": bare, "pause": pause, "tag-after": tag_after_path(pool), "sleep": sleep_path(pool, False),
-            "one": sleep_path(pool, True)}
+    ways = {"bare": bare, "pause": pause, "tag-after": tag_after_path(pool), "sleep": proxy_path(pool, False),
+            "one": proxy_path(pool, True)}
     out: dict[str, list[float]] = {k: [] for k in ways}
     async with httpx.AsyncClient(base_url=base_url, timeout=300, trust_env=False) as c:
         for r in range(rounds):

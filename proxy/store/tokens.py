@@ -19,7 +19,7 @@ TRAINABLE_SOURCES: tuple[str, ...] = (TokenSource.engine, TokenSource.rederived)
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids two sequences share (lists or `array('i')`, in any mix)."""
     # Compare as machine-int arrays: slices of two arrays compare in C, while an array never equals a
-    # list (the writer's cache holds arrays, prompts arrive as lists).
+    # list (the writer's cache and the captured prompts hold arrays; replay's sequences are lists).
     x = a if isinstance(a, array) else array("i", a)
     y = b if isinstance(b, array) else array("i", b)
     n = min(len(x), len(y))

@@ -121,7 +121,8 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
             engine = tokens.source == TokenSource.engine
             prefix = common_prefix(sequences[parent], tokens.prompt_ids) if engine and parent in sequences else 0
             if engine:
-                sequences[step_id] = tokens.prompt_ids + tokens.output_ids
+                # lists: the capture's arrays can differ in type code (an id past 32 bits is 8 bytes)
+                sequences[step_id] = [*tokens.prompt_ids, *tokens.output_ids]
             refs = {"system": st.system_hash, "tools": st.tools_hash, "messages": list(st.message_hashes),
                     "output": out_hash, "results": []}
             record = step_record(
