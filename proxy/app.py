@@ -32,12 +32,12 @@ from proxy.errors import ApiError, error_response, flavor_for_path
 from proxy.evolve.snapshot import DiagnosisCache
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import LazyRedactor, TextRedactor
-from proxy.http import Endpoint, Route, json_response, log_exception
+from proxy.http import Endpoint, Route, json_response, log_exception, run_db
 from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess, build_recorder
 from proxy.sessions import ContinuationIndex, StepLink
 from proxy.state import AppState
-from proxy.store import db
+from proxy.store import db, partitions
 from proxy.store import tables as t
 from proxy.store.links import LinkStore
 from proxy.upstream import ReplicaPool, make_client, make_session
@@ -114,6 +114,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             tasks.append(asyncio.create_task(canary.resume(state, swaps)))
             tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
             tasks.append(asyncio.create_task(diagnosis.warm(state), name="atdp-diagnosis-warm"))
+        if connect_db:
+            tasks.append(asyncio.create_task(_partition_upkeep(state)))
         if connect_db and settings.shared_links:
             tasks.append(asyncio.create_task(_purge_links(state)))
         if connect_db and settings.shared_swaps:
@@ -315,6 +317,19 @@ async def _start_swap_bus(state: AppState, swaps: Versions) -> None:
             return
         await asyncio.sleep(0.05)
     swaps.bus.start()
+
+
+async def _partition_upkeep(state: AppState, every_s: float = 6 * 3600.0) -> None:
+    """Day partitions exist a week ahead (proxy.store.partitions; start-up makes them too): a proxy
+    that runs for weeks keeps making them, retention job or not. Idempotent across proxies."""
+    while not state.stopping.is_set():
+        await asyncio.sleep(every_s)
+        if state.factory is None:
+            continue
+        try:
+            await run_db(state, partitions.ensure)
+        except Exception as e:  # the database is away: next round
+            log.warning("day partitions not checked (%s)", db.db_error_reason(e))
 
 
 async def _purge_links(state: AppState) -> None:

@@ -157,7 +157,7 @@ def load(s: Session, ids: list[str], *, current: str, policies: Policies, proces
     prompts: dict[str, list[int]] = {}
     for step_id, st in rows.items():
         try:
-            prompts[step_id] = rebuild_prompt_ids({step_id: st}, fetch=lambda i: s.get(t.Step, i))[step_id]
+            prompts[step_id] = rebuild_prompt_ids({step_id: st}, fetch=lambda i, sid: t.get_step(s, i, sid))[step_id]
         except LookupError as e:
             skipped[step_id] = f"prompt ids lost: {e}"
 

@@ -125,7 +125,7 @@ def add_held_out(s: Session, evalset: EvalSet, holdout: tuple[dict[str, float], 
         hashes = {h for st in steps for h in (*st.message_hashes, st.system_hash, st.tools_hash, st.output_hash) if h}
         contents = load_contents(s, se.tenant_id, hashes)
         try:
-            inputs = rebuild_inputs({st.id: st for st in steps}, contents, fetch=lambda i: s.get(t.Step, i))
+            inputs = rebuild_inputs({st.id: st for st in steps}, contents, fetch=lambda i, sid: t.get_step(s, i, sid))
         except LookupError:  # forgotten or expired content: the input cannot be rebuilt
             evalset.unscored_held_out += len(steps)
             continue

@@ -20,7 +20,7 @@ TOOL_USES = """
 SELECT tc.tenant_id AS tenant, se.external_id AS session_id, se.task_id, tc.name AS tool,
        tc.arguments, tc.is_error, r.body AS result, st.tools_hash, st.started_at
 FROM tool_calls tc
-JOIN steps st ON st.id = tc.step_id
+JOIN steps st ON st.id = tc.step_id AND st.session_id = tc.session_id
 JOIN sessions se ON se.id = tc.session_id
 LEFT JOIN LATERAL (SELECT atdp_content(c.tenant_id, c.kind, c.body) AS body FROM contents c
                    WHERE c.tenant_id = tc.tenant_id AND c.hash = tc.result_hash) r ON true
@@ -79,7 +79,7 @@ WITH u AS MATERIALIZED (
            coalesce(jsonb_typeof(r.body) <> 'null', false) AS answered,
            coalesce(r.body -> 'content', r.body -> 'output', r.body) AS result
     FROM tool_calls tc
-    JOIN steps st ON st.id = tc.step_id
+    JOIN steps st ON st.id = tc.step_id AND st.session_id = tc.session_id
     JOIN sessions se ON se.id = tc.session_id
     LEFT JOIN LATERAL (SELECT atdp_content(c.tenant_id, c.kind, c.body) AS body FROM contents c
                        WHERE c.tenant_id = tc.tenant_id AND c.hash = tc.result_hash) r ON true
@@ -322,7 +322,7 @@ TOOL_RESULTS_OF = """
 SELECT se.external_id AS session_id, tc.tenant_id AS tenant, se.task_id, tc.name AS tool, tc.arguments,
        tc.is_error, r.body AS result
 FROM tool_calls tc
-JOIN steps st ON st.id = tc.step_id
+JOIN steps st ON st.id = tc.step_id AND st.session_id = tc.session_id
 JOIN sessions se ON se.id = tc.session_id
 LEFT JOIN LATERAL (SELECT atdp_content(c.tenant_id, c.kind, c.body) AS body FROM contents c
                    WHERE c.tenant_id = tc.tenant_id AND c.hash = tc.result_hash) r ON true
@@ -335,7 +335,7 @@ ALL_TOOL_FAILURES = """
 SELECT tc.tenant_id AS tenant, se.task_id, tc.name AS tool, count(*) AS failures,
        count(DISTINCT se.id) AS sessions
 FROM tool_calls tc
-JOIN steps st ON st.id = tc.step_id
+JOIN steps st ON st.id = tc.step_id AND st.session_id = tc.session_id
 JOIN sessions se ON se.id = tc.session_id
 WHERE tc.is_error AND st.replay_of IS NULL AND se.started_at >= :since
   AND (CAST(:tenant AS text) IS NULL OR tc.tenant_id = :tenant)

@@ -24,7 +24,7 @@ from proxy.governance.policy import TenantPolicy, decide_eligibility
 from proxy.governance.redaction import TextRedactor, elide_echoes
 from proxy.governance.tokens import TokenDecision, TokenGuard
 from proxy.lru import LRU, content_key, id_key
-from proxy.record.capture import CapturedStep
+from proxy.record.capture import CapturedStep, SessionRef
 from proxy.store import tables as t
 from proxy.store.content import canonical, content_hash
 from proxy.store.texts import ENCODED_KINDS, encode
@@ -299,7 +299,7 @@ class Preparer:
 
         # Token ids carry the raw text: if the prompt or output touched redacted text, the
         # governance token policy decides (re-derive, mask, or drop); by default: drop.
-        parent_dirty = self._parent_context_redacted(st.parent_step_id)
+        parent_dirty = self._parent_context_redacted(st.parent_step_id, st.session)
         prompt_dirty = parent_dirty or bool(input_counts)
         tokens = engine_tokens(st)
         if tokens.source == TokenSource.engine and (prompt_dirty or output_counts):
@@ -380,7 +380,7 @@ class Preparer:
                 return call.get("arguments")
         return None
 
-    def _parent_context_redacted(self, parent_id: str | None) -> bool:
+    def _parent_context_redacted(self, parent_id: str | None, session: SessionRef) -> bool:
         if not parent_id:
             return False
         hit = self._context_redacted.get(id_key(parent_id))
@@ -391,7 +391,7 @@ class Preparer:
             return True  # unknown: assume the worst, never leak through tokens
         try:
             with factory() as s:
-                row = s.get(t.Step, parent_id)
+                row = t.get_session_step(s, parent_id, session.tenant, session.external_id)
         except Exception:
             return True
         if row is None:

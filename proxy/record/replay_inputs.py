@@ -34,9 +34,10 @@ def output_units(api: str, output: Any) -> list[Any]:
     return [output]
 
 
-def rebuild_inputs(steps: dict[str, t.Step], contents: dict[str, Any], fetch: Callable[[str], t.Step | None] | None = None
-                   ) -> dict[str, list[Any]]:
-    """Each step's full input messages: (parent's input + parent's output)[:history_len] + own new ones."""
+def rebuild_inputs(steps: dict[str, t.Step], contents: dict[str, Any],
+                   fetch: Callable[[str, str], t.Step | None] | None = None) -> dict[str, list[Any]]:
+    """Each step's full input messages: (parent's input + parent's output)[:history_len] + own new ones.
+    `fetch(parent_id, child's session_id)` reads a parent not in `steps` (`tables.get_step`)."""
     memo: dict[str, list[Any]] = {}
 
     def body(h: str) -> Any:
@@ -51,7 +52,8 @@ def rebuild_inputs(steps: dict[str, t.Step], contents: dict[str, Any], fetch: Ca
         if st.history_len == 0:
             memo[st.id] = own
             return own
-        parent = (steps.get(st.parent_step_id) or (fetch(st.parent_step_id) if fetch else None)) if st.parent_step_id else None
+        parent = ((steps.get(st.parent_step_id) or (fetch(st.parent_step_id, st.session_id) if fetch else None))
+                  if st.parent_step_id else None)
         if parent is None:
             raise LookupError(f"step {st.id}: continues {st.history_len} earlier messages but its parent is missing")
         output = body(parent.output_hash).get("output") if parent.output_hash else None

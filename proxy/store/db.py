@@ -98,6 +98,21 @@ def upgrade(url: str, revision: str = "head") -> None:
 
     with _alembic_lock:
         command.upgrade(alembic_config(url), revision)
+    if revision == "head":
+        ensure_partitions(url)
+
+
+def ensure_partitions(url: str) -> list[str]:
+    """The day partitions for today and the days ahead (proxy.store.partitions): at every start-up,
+    and by the proxy's upkeep while it runs."""
+    from proxy.store import partitions
+
+    engine = create_engine(sqlalchemy_url(url))
+    try:
+        with Session(engine) as s, s.begin():
+            return partitions.ensure(s)
+    finally:
+        engine.dispose()
 
 
 def downgrade(url: str, revision: str) -> None:

@@ -33,3 +33,11 @@ def uuid7() -> uuid.UUID:
 
 def new_id() -> str:
     return str(uuid7())
+
+
+def uuid7_at(when_ms: int) -> str:
+    """A UUIDv7 for a given millisecond (random bits, no ordering within it): an id minted then, as
+    an import of older sessions or a test of day partitions needs."""
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (when_ms << 80) | (0x7 << 76) | ((rand >> 64) & 0xFFF) << 64 | (0b10 << 62) | (rand & ((1 << 62) - 1))
+    return str(uuid.UUID(int=value))

@@ -45,7 +45,7 @@ def session_document(s: Session, session: t.Session, *, reward_combine: str = "l
     """A stored session as ATDP JSON; `reward_combine` is the tenant policy's (`Policies.policy_for`)."""
     steps = list(s.scalars(select(t.Step).where(t.Step.session_id == session.id).order_by(t.Step.seq)))
     by_id = {st.id: st for st in steps}
-    prompts = rebuild_prompt_ids(by_id, fetch=lambda i: s.get(t.Step, i))
+    prompts = rebuild_prompt_ids(by_id, fetch=lambda i, sid: t.get_step(s, i, sid))
     hashes: set[str] = set()
     for st in steps:
         hashes.update(h for h in (st.system_hash, st.tools_hash, st.output_hash) if h)

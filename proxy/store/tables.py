@@ -26,10 +26,12 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    select,
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Session as OrmSession
 
 
 class Base(DeclarativeBase):
@@ -99,9 +101,12 @@ class Session(Base):
 
 
 class Step(Base):
+    """One model call. Partitioned by `session_id` ranges, one partition per UTC day of session start
+    (proxy.store.partitions, migration 0015): the primary key holds the partition key."""
+
     __tablename__ = "steps"
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(128))
     seq: Mapped[int] = mapped_column(Integer)
     parent_step_id: Mapped[str | None] = mapped_column(String(36))
@@ -164,30 +169,33 @@ class Step(Base):
         Index("ix_steps_retention", "retention_until", postgresql_where=text("retention_until IS NOT NULL")),
         # A lone proxy's continuation reads (proxy.store.links; migration 0014): equality only.
         Index("ix_steps_transcript_hash", "transcript_hash", postgresql_using="hash"),
+        {"postgresql_partition_by": "RANGE (session_id)"},
     )
 
 
 class ToolCall(Base):
-    """A tool call the model emitted, and (later) the result the agent sent back for it."""
+    """A tool call the model emitted, and (later) the result the agent sent back for it. Partitioned
+    as `steps` is (no foreign key to it: the writer writes a step and its calls together)."""
 
     __tablename__ = "tool_calls"
-    step_id: Mapped[str] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"), primary_key=True)
+    step_id: Mapped[str] = mapped_column(String(36), primary_key=True)
     call_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(36), index=True)
+    session_id: Mapped[str] = mapped_column(String(36), primary_key=True, index=True)
     tenant_id: Mapped[str] = mapped_column(String(128))
     name: Mapped[str] = mapped_column(String(256))
     arguments: Mapped[Any | None] = mapped_column(JSONB)  # redacted
     result_step_id: Mapped[str | None] = mapped_column(String(36))
     result_hash: Mapped[str | None] = mapped_column(String(64))
     is_error: Mapped[bool | None] = mapped_column(Boolean)
-    __table_args__ = (Index("ix_tool_calls_name", "tenant_id", "name"),)
+    __table_args__ = (Index("ix_tool_calls_name", "tenant_id", "name"),
+                      {"postgresql_partition_by": "RANGE (session_id)"})
 
 
 class Feedback(Base):
     __tablename__ = "feedback"
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
-    step_id: Mapped[str | None] = mapped_column(ForeignKey("steps.id", ondelete="CASCADE"), index=True)
+    step_id: Mapped[str | None] = mapped_column(String(36), index=True)  # checked on write (no FK: partitioned)
     tenant_id: Mapped[str] = mapped_column(String(128))
     reward: Mapped[float | None] = mapped_column(Float)
     comment: Mapped[str | None] = mapped_column(Text)  # redacted
@@ -354,3 +362,23 @@ class Tombstone(Base):
     external_id: Mapped[str | None] = mapped_column(String(256))  # NULL: the whole tenant
     forgotten_at: Mapped[datetime] = mapped_column(server_default=NOW)
     __table_args__ = (Index("ix_tombstones_tenant_external", "tenant_id", "external_id"),)
+
+
+def get_step(s: OrmSession, step_id: str | None, session_id: str | None = None) -> Step | None:
+    """A step by its id; `session_id`, its session's internal id where the caller knows it, lets the
+    lookup search that session's partition alone. Without it (or when the step is not in that
+    session) every partition's key index is asked: with 100 day partitions that costs about 10 ms of
+    planning and 4 ms of execution, against 0.2 ms with the session."""
+    if not step_id:
+        return None
+    if session_id:
+        found = s.scalars(select(Step).where(Step.id == step_id, Step.session_id == session_id)).first()
+        if found is not None:
+            return found
+    return s.scalars(select(Step).where(Step.id == step_id)).first()
+
+
+def get_session_step(s: OrmSession, step_id: str | None, tenant_id: str, external_id: str) -> Step | None:
+    """A step of the session a client names (tenant, public id): its partition alone is searched."""
+    sid = s.scalar(select(Session.id).where(Session.tenant_id == tenant_id, Session.external_id == external_id))
+    return get_step(s, step_id, sid) if sid else get_step(s, step_id)

@@ -70,9 +70,10 @@ def unrle(runs: list[list[Any]]) -> list[str]:
     return [v for v, n in runs for _ in range(n)]
 
 
-def rebuild_prompt_ids(steps: dict[str, t.Step], fetch: Callable[[str], t.Step | None] | None = None
+def rebuild_prompt_ids(steps: dict[str, t.Step], fetch: Callable[[str, str], t.Step | None] | None = None
                        ) -> dict[str, list[int]]:
-    """Full prompt ids of each step, from stored suffixes plus ancestors' prompt+output ids."""
+    """Full prompt ids of each step, from stored suffixes plus ancestors' prompt+output ids.
+    `fetch(parent_id, child's session_id)` reads an ancestor not in `steps` (`tables.get_step`)."""
     memo: dict[str, list[int]] = {}
 
     def full(step: t.Step) -> list[int]:
@@ -80,7 +81,7 @@ def rebuild_prompt_ids(steps: dict[str, t.Step], fetch: Callable[[str], t.Step |
             return memo[step.id]
         ids = list(step.prompt_token_ids)
         if step.prompt_prefix_len and step.parent_step_id:
-            parent = steps.get(step.parent_step_id) or (fetch(step.parent_step_id) if fetch else None)
+            parent = steps.get(step.parent_step_id) or (fetch(step.parent_step_id, step.session_id) if fetch else None)
             if parent is None:
                 raise LookupError(f"step {step.id}: parent {step.parent_step_id} missing, prefix lost")
             ids = (full(parent) + list(parent.output_token_ids))[: step.prompt_prefix_len] + ids
@@ -92,7 +93,7 @@ def rebuild_prompt_ids(steps: dict[str, t.Step], fetch: Callable[[str], t.Step |
 
 def full_prompt_ids(s: Session, step: t.Step) -> list[int]:
     """One step's full prompt ids (its ancestors fetched as needed)."""
-    return rebuild_prompt_ids({step.id: step}, fetch=lambda i: s.get(t.Step, i))[step.id]
+    return rebuild_prompt_ids({step.id: step}, fetch=lambda i, sid: t.get_step(s, i, sid))[step.id]
 
 
 def per_token_versions(st: t.Step) -> list[str]:

@@ -269,15 +269,14 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     if rows:
         execute_many(s, CONTENT_INSERT, [rows[k] for k in sorted(rows)])
 
-    existing = set(s.scalars(select(t.Step.id).where(t.Step.id.in_([r.id for r in records]))))
-    fresh = not_forgotten(s, [r for r in records if r.id not in existing])
-    if not fresh:
+    kept = not_forgotten(s, records)
+    if not kept:
         return 0
 
     # Sessions: one upsert for the batch; the row locks serialise seq assignment across writers.
     first: dict[tuple[str, str], StepRecord] = {}
     last_at: dict[tuple[str, str], datetime] = {}
-    for r in fresh:
+    for r in kept:
         key = (r.session.tenant_id, r.session.external_id)
         first.setdefault(key, r)
         last_at[key] = max(last_at.get(key, r.started_at), r.started_at)
@@ -293,6 +292,13 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     sid_of = {(tenant, ext): sid for sid, tenant, ext in s.execute(text(SESSION_UPSERT), params)}
     sids = sorted(sid_of.values())
     s.execute(select(t.Session.id).where(t.Session.id.in_(sids)).order_by(t.Session.id).with_for_update())
+    # Steps already stored (a re-sent batch): asked by session too, so only those sessions' partitions
+    # are searched (by step id alone, every partition's key index would be).
+    existing = set(s.scalars(select(t.Step.id).where(t.Step.session_id.in_(sids),
+                                                     t.Step.id.in_([r.id for r in kept]))))
+    fresh = [r for r in kept if r.id not in existing]
+    if not fresh:
+        return 0
     next_seq = dict.fromkeys(sids, 0)
     next_seq.update(
         s.execute(select(t.Step.session_id, func.max(t.Step.seq)).where(t.Step.session_id.in_(sids))

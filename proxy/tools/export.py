@@ -83,7 +83,7 @@ def session_samples(s: Session, session: t.Session, *, eligible_only: bool, poli
     if not steps:
         return
     # Ancestors are needed for every prompt's prefix, even where they are filtered out below.
-    prompts = rebuild_prompt_ids({st.id: st for st in steps}, fetch=lambda i: s.get(t.Step, i))
+    prompts = rebuild_prompt_ids({st.id: st for st in steps}, fetch=lambda i, sid: t.get_step(s, i, sid))
     policy = seen.get(session.tenant_id) or seen.setdefault(session.tenant_id, policies.policy_for(s, session.tenant_id))
     per_step: dict[str | None, list[float]] = defaultdict(list)
     for step_id, reward in s.execute(

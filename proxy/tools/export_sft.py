@@ -116,8 +116,10 @@ def session_sft(s: Session, session: t.Session, stats: SftStats, *, provider_onl
     contents = load_contents(s, session.tenant_id, hashes)
     by_id = {st.id: st for st in steps}
 
-    def fetch(step_id: str) -> t.Step | None:  # a parent outside the session (rare): its contents too
-        parent = s.get(t.Step, step_id)
+    def fetch(step_id: str, session_id: str) -> t.Step | None:  # a parent not chosen, or in another session
+        if step_id in by_id:
+            return by_id[step_id]
+        parent = t.get_step(s, step_id, session_id)
         if parent is not None:
             more = {h for h in [*parent.message_hashes, parent.output_hash] if h and h not in contents}
             contents.update(load_contents(s, session.tenant_id, more))
@@ -125,7 +127,7 @@ def session_sft(s: Session, session: t.Session, stats: SftStats, *, provider_onl
 
     for st in chosen:
         try:
-            inputs = rebuild_inputs({st.id: st}, contents, fetch=lambda i: by_id.get(i) or fetch(i))[st.id]
+            inputs = rebuild_inputs({st.id: st}, contents, fetch=fetch)[st.id]
             line = step_sample(st, inputs, contents)
         except (LookupError, ValueError, TranslationError, orjson.JSONDecodeError):
             stats.skipped += 1

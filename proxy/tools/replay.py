@@ -65,7 +65,7 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
         contents = load_contents(s, original.tenant_id, hashes)
         # A parent outside this session (rare) is fetched lazily; a content it needs that is not
         # loaded here is reported as missing, never guessed.
-        inputs = rebuild_inputs({st.id: st for st in steps}, contents, fetch=lambda i: s.get(t.Step, i))
+        inputs = rebuild_inputs({st.id: st for st in steps}, contents, fetch=lambda i, sid: t.get_step(s, i, sid))
         policy = policies.policy_for(s, original.tenant_id)
 
     tenant_id = original.tenant_id

@@ -135,7 +135,7 @@ def test_deadletters_cli_lists_replays_and_purges(start_proxy, fake_upstream, db
     result = orjson.loads(replayed.stdout)
     assert result["written"] == [good.id] and [f["step_id"] for f in result["failed"]] == [bad.id]
     with factory() as s:
-        assert s.get(t.Step, good.id) is not None and s.get(t.Step, bad.id) is None
+        assert t.get_step(s, good.id) is not None and t.get_step(s, bad.id) is None
     assert [x["step_id"] for x in lines(atdp(proxy, db_url, "deadletters", "list").stdout)] == [bad.id]
 
     assert atdp(proxy, db_url, "deadletters", "purge").returncode == 2  # needs --all or a filter

@@ -233,7 +233,7 @@ def test_bearer_and_x_api_key_both_authenticate(start_proxy, fake_upstream, fact
     proxy.flush()
     with factory() as s:
         for raw in (by_header, by_bearer):
-            assert s.get(t.Step, raw.headers["x-atdp-step-id"]).tenant_id == "tenant-" + proxy.tenant
+            assert t.get_step(s, raw.headers["x-atdp-step-id"]).tenant_id == "tenant-" + proxy.tenant
 
 
 # --- the real vLLM (the plain answer and its tokens, for every door: test_proxy_vllm.py) ----------

@@ -69,7 +69,7 @@ def test_the_trainer_refuses_steps_of_a_tenant_without_consent(start_proxy, fake
     policies = train_config(args, settings).policies
     assert policies.base("acme").training_consent and not policies.base(proxy.tenant).training_consent
     with factory() as s, s.begin():
-        current = s.get(t.Step, step.id).model_version or "base"
+        current = t.get_step(s, step.id).model_version or "base"
         loaded = lease.load(s, [step.id], current=current, policies=policies)
     assert loaded.steps == []
     assert loaded.skipped == {step.id: "no training consent (checked at training time)"}

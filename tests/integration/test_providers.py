@@ -365,7 +365,7 @@ def test_the_trainers_lease_never_takes_provider_steps(routed, own_db):
         assert sources == {"prov-lease": TokenSource.none, "vllm-lease": TokenSource.engine}
         assert lease.count_ready(s) == 1
         (taken,) = lease.lease(s, owner="A", ttl_s=60, max_steps=100)
-        assert s.get(t.Step, taken).token_source == TokenSource.engine
+        assert t.get_step(s, taken).token_source == TokenSource.engine
 
 
 # A chat template that reads what TRL hands `apply_chat_template`: tools as schemas, tool-call

@@ -168,7 +168,7 @@ def test_api_key_auth_binds_tenant(start_proxy, fake_upstream, factory):
     assert r.status_code == 200
     proxy.flush()
     with factory() as s:
-        step = s.get(t.Step, r.headers["x-atdp-step-id"])
+        step = t.get_step(s, r.headers["x-atdp-step-id"])
     assert step.tenant_id == "tenant-key-" + proxy.tenant
 
 
@@ -238,7 +238,7 @@ def test_a_record_the_database_refuses_is_set_aside_not_blocking(start_proxy, fa
     from proxy.store.write import SessionInfo, StepRecord
 
     with factory() as s:
-        row = s.get(t.Step, good.headers["x-atdp-step-id"])
+        row = t.get_step(s, good.headers["x-atdp-step-id"])
     bad = StepRecord(id=new_id(), session=SessionInfo(tenant_id=proxy.tenant, external_id="bad"),
                      api="chat.completions", status="ok", started_at=row.started_at, token_source="engine",
                      output_token_ids=[2**40], eligibility="eligible")

@@ -19,7 +19,7 @@ def _session_steps(factory, external_id: str, tenant: str) -> tuple[t.Session, l
     with factory() as s:
         row = s.scalar(select(t.Session).where(t.Session.external_id == external_id, t.Session.tenant_id == tenant))
         steps = list(s.scalars(select(t.Step).where(t.Step.session_id == row.id).order_by(t.Step.seq)))
-        prompts = rebuild_prompt_ids({st.id: st for st in steps}, fetch=lambda i: s.get(t.Step, i))
+        prompts = rebuild_prompt_ids({st.id: st for st in steps}, fetch=lambda i, sid: t.get_step(s, i, sid))
     return row, steps, prompts
 
 

@@ -21,6 +21,7 @@ from proxy.store import db
 from proxy.store import tables as t
 from proxy.store.content import canonical, content_hash
 from proxy.store.ids import new_id, uuid7
+from proxy.store.partitions import include_object
 from proxy.store.read import session_document
 from proxy.store.tokens import rle
 from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, write_steps
@@ -56,7 +57,7 @@ def test_migrations_round_trip(new_database):
 def test_models_and_migrations_agree(db_url):
     engine = create_engine(db_url)
     with engine.connect() as conn:
-        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True, "include_object": include_object})
         diff = compare_metadata(ctx, t.Base.metadata)
     engine.dispose()
     assert diff == [], f"ORM models and migrations disagree: {diff}"

@@ -108,7 +108,7 @@ def test_a_tito_call_spanning_a_keep_swap_carries_both_versions_as_the_engine_re
             assert "error" not in result and result["finish"] == "length", result
             proxy.flush()
             with factory() as s:
-                step = s.get(t.Step, result["step"])
+                step = t.get_step(s, result["step"])
                 assert step is not None and step.prompt_path == "tito"
                 versions, stored = unrle(step.output_versions), step.output_versions
                 n_ids, eligibility, reason = len(step.output_token_ids), step.eligibility, step.eligibility_reason

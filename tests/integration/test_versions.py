@@ -176,7 +176,7 @@ def test_failed_swap_keeps_old_version_everywhere_and_rollback(start_proxy, fake
         s.flush()
         s.add(t.VersionLineage(version_id="cand-2", step_id=step.id, session_id=step.session_id, reward=1.0,
                                advantage=0.5))
-        s.get(t.Step, step.id).trained_version_id = "cand-2"
+        t.get_step(s, step.id).trained_version_id = "cand-2"
 
     upstreams[1].fail_reload = True  # the second replica cannot load it
     r = _swap(proxy, "/ckpt/w2", name="v2")
@@ -194,7 +194,7 @@ def test_failed_swap_keeps_old_version_everywhere_and_rollback(start_proxy, fake
     failed = next(v for v in listing["data"] if v["name"] == "v2")
     assert failed["status"] == "failed" and "reload" in failed["error"] and listing["serving"] == "v1"
     with factory() as s:
-        assert s.get(t.Step, step.id).trained_version_id is None  # released for retraining
+        assert t.get_step(s, step.id).trained_version_id is None  # released for retraining
         assert s.scalars(select(t.VersionLineage.step_id).where(t.VersionLineage.version_id == "cand-2")).all() == [step.id]
     # A failed version is not swapped to again under the same name.
     assert _swap(proxy, "/ckpt/w2", name="v2").status_code == 409
@@ -286,7 +286,7 @@ def test_real_vllm_swap_exact_versions_under_load(start_proxy, vllm_server, tiny
             prompt_of[tuple(ids)] = p
     steps = proxy.steps(factory)
     with factory() as s:
-        full = rebuild_prompt_ids({st.id: st for st in steps}, fetch=lambda i: s.get(t.Step, i))
+        full = rebuild_prompt_ids({st.id: st for st in steps}, fetch=lambda i, sid: t.get_step(s, i, sid))
     counts = {"base": 0, "seed1": 0}
     for st in steps:
         versions = set(unrle(st.output_versions))

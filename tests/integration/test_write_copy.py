@@ -48,7 +48,7 @@ def test_awkward_values_round_trip(factory, tenant):
     with db.transaction(factory) as s:  # the same batch again (a re-sent one): nothing new
         assert write_steps(s, [first, second], new_id) == 0
     with factory() as s:
-        a, b = s.get(t.Step, first.id), s.get(t.Step, second.id)
+        a, b = t.get_step(s, first.id), t.get_step(s, second.id)
         content = s.get(t.Content, (tenant, "h-awkward"))
         nulls = s.execute(text("SELECT (SELECT jsonb_typeof(body) FROM contents WHERE tenant_id = :t AND hash = 'h-none'),"
                                " (SELECT jsonb_typeof(error) FROM steps WHERE id = :b)"), {"t": tenant, "b": second.id}).one()
@@ -113,7 +113,7 @@ def test_a_record_the_database_refuses_in_a_copy_is_set_aside_and_the_rest_writt
     (letter,) = deadletters.read(tmp_path / "spool")
     assert letter.reason.startswith("DataError")
     with factory() as s:
-        assert s.get(t.Step, good.id) is not None and s.get(t.Step, bad.id) is None
+        assert t.get_step(s, good.id) is not None and t.get_step(s, bad.id) is None
 
 
 def test_float32_logprobs_come_back_bit_for_bit(factory, tenant):
@@ -137,6 +137,6 @@ def test_float32_logprobs_come_back_bit_for_bit(factory, tenant):
         # read the stored float4s as their bit patterns: no float formatting on the way back
         got = s.execute(text("SELECT float4send(x) FROM unnest((SELECT output_logprobs FROM steps WHERE id = :id))"
                              " WITH ORDINALITY AS u(x, n) ORDER BY n"), {"id": rec.id}).scalars().all()
-        stored = s.get(t.Step, special.id).output_logprobs
+        stored = t.get_step(s, special.id).output_logprobs
     assert [bytes(b) for b in got] == [struct.pack(">f", v) for v in logprobs]
     assert math.isnan(stored[0]) and stored[1] == -math.inf
