@@ -53,10 +53,25 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def backend_pids(engine) -> list[int]:
+    """The PostgreSQL backends `engine` connects, as it connects them (their CPU is read from /proc)."""
+    from sqlalchemy import event
+
+    pids: list[int] = []
+
+    @event.listens_for(engine, "connect")
+    def _pid(conn, _record) -> None:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_backend_pid()")
+            pids.append(cur.fetchone()[0])
+
+    return pids
+
+
 def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int) -> dict:
     """Create a database, migrate it with this tree's migrations, write the steps, measure, drop it."""
     from agent_steps import interleaved
-    from sqlalchemy import create_engine, event
+    from sqlalchemy import create_engine
 
     from proxy.governance.policy import TenantPolicy
     from proxy.record.recorder import Recorder
@@ -71,13 +86,7 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int) 
     try:
         db.upgrade(url)
         engine = db.make_engine(url, pool_size=1, max_overflow=0)
-        backends: list[int] = []
-
-        @event.listens_for(engine, "connect")
-        def _pid(conn, _record) -> None:
-            with conn.cursor() as cur:
-                cur.execute("SELECT pg_backend_pid()")
-                backends.append(cur.fetchone()[0])
+        backends = backend_pids(engine)
 
         steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)
         # The whole load is built up front (tens of millions of token ids); out of the collector's

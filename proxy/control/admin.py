@@ -183,7 +183,8 @@ def retention_once(state: AppState, actor: str = "system") -> list[forget.Forgot
     if state.factory is None:
         raise ApiError(503, DB_UNAVAILABLE)
     with state.factory() as s, s.begin():
-        reports = forget.run_retention(s, policy_for=state.policies.policy_for, actor=actor)
+        reports = forget.run_retention(s, policy_for=state.policies.policy_for, actor=actor,
+                                       quiet_s=state.settings.session_ttl_s)
         expire_dead_letters(s, state.settings.spool_dir, state.policies)
     for r in reports:
         _after_forget(state, r)

@@ -76,11 +76,13 @@ def cmd_retention(args) -> int:
     from proxy.governance import forget
     from proxy.record import deadletters
 
-    spool_dir = load_settings().spool_dir
+    settings = load_settings()
+    spool_dir = settings.spool_dir
     engine, tx, policies = _transaction()
     try:
         with tx as s:
-            reports = forget.run_retention(s, policy_for=policies.policy_for, actor="cli")
+            reports = forget.run_retention(s, policy_for=policies.policy_for, actor="cli",
+                                           quiet_s=settings.session_ttl_s)
             letters = deadletters.purge_expired(spool_dir, lambda tenant: policies.policy_for(s, tenant).retention_days)
         _print({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports], "dead_letters": len(letters)})
     finally:
