@@ -8,11 +8,13 @@ written, so partitioning by `session_id` ranges puts each session, all its steps
 partition of the day it began, and retention can drop a day whole instead of deleting its rows
 (proxy.store.partitions, proxy.governance.forget). The existing rows are not copied: each table becomes
 the partition `<table>_legacy` for the ids up to the end of the migration's day (rows of ids that
-sort above that, never minted by atdp, move to `<table>_default`). Unique keys of a partitioned table
+sort above that move to their day's partition, or `<table>_default`). Unique keys of a partitioned table
 must hold the partition key: steps' primary key is (id, session_id), tool_calls' (step_id, call_id,
-session_id); the foreign keys from tool_calls and feedback to steps(id) go (the writer writes a step
-and its calls in one transaction; forget deletes them explicitly). Views are bound to the tables
-they were created on, so every view is replaced by its own definition once the new tables exist.
+session_id); the foreign keys from tool_calls and feedback to steps(id), and from steps to sessions,
+go (the writer upserts a session, then writes its steps and their calls, in one transaction; forget
+deletes them explicitly; retention deletes a dropped day's session rows without a cascade into steps).
+Views are bound to the tables they were created on, so every view is replaced by its own definition
+once the new tables exist.
 A database with nothing recorded yet gets no legacy partition: it is partitioned from its first day.
 """
 
@@ -71,8 +73,6 @@ def _index_names(table: str) -> list[tuple[str, str | None, bool]]:
 def _keys_and_indexes() -> None:
     """What both directions build on the new tables besides their primary keys (the same names)."""
     op.execute("ALTER TABLE steps ADD CONSTRAINT uq_steps_session_seq UNIQUE (session_id, seq)")
-    op.execute("ALTER TABLE steps ADD CONSTRAINT steps_session_id_fkey FOREIGN KEY (session_id) "
-               "REFERENCES sessions (id) ON DELETE CASCADE")
     op.execute(STEP_INDEXES)
     op.execute(CALL_INDEXES)
 
@@ -86,6 +86,9 @@ def upgrade() -> None:
     views = _views()
     op.execute("ALTER TABLE tool_calls DROP CONSTRAINT IF EXISTS tool_calls_step_id_fkey")
     op.execute("ALTER TABLE feedback DROP CONSTRAINT IF EXISTS feedback_step_id_fkey")
+    # Deleting a session row must not cascade into its steps row by row: retention deletes a dropped
+    # day's session rows, and forget deletes a session's steps itself.
+    op.execute("ALTER TABLE steps DROP CONSTRAINT IF EXISTS steps_session_id_fkey")
     for table, (key, _) in KEYS.items():
         legacy = f"{table}_legacy"
         op.execute(f"ALTER TABLE {table} RENAME TO {legacy}")
@@ -137,6 +140,8 @@ def downgrade() -> None:
         op.execute(f"DROP TABLE {table}_parted")  # its partitions with it
         op.execute(f"ALTER TABLE {table} ADD CONSTRAINT {table}_pkey PRIMARY KEY ({key})")
     _keys_and_indexes()
+    op.execute("ALTER TABLE steps ADD CONSTRAINT steps_session_id_fkey FOREIGN KEY (session_id) "
+               "REFERENCES sessions (id) ON DELETE CASCADE")
     op.execute("ALTER TABLE tool_calls ADD CONSTRAINT tool_calls_step_id_fkey FOREIGN KEY (step_id) "
                "REFERENCES steps (id) ON DELETE CASCADE")
     op.execute("ALTER TABLE feedback ADD CONSTRAINT feedback_step_id_fkey FOREIGN KEY (step_id) "

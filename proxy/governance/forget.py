@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, or_, select, text
+from sqlalchemy import and_, delete, func, or_, select, text, true
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
@@ -123,17 +123,24 @@ REFERRED = (
 )
 
 
-def _delete_orphan_contents(s: Session, tenant: str, hashes: list[str],
-                            deleted: list[str] | None = None) -> tuple[int, list[str]]:
+def _delete_orphan_contents(s: Session, tenant: str, hashes: list[str], deleted: list[str] | None = None,
+                            without: list[tuple[str, str]] = ()) -> tuple[int, list[str]]:
     """Delete those of `hashes` no remaining step or tool call of the tenant references, then the long
     texts the deleted bodies referred to that nothing refers to any more. Returns (rows deleted, the
-    text hashes checked); `deleted` (when given) collects the deleted rows' hashes."""
+    text hashes checked); `deleted` (when given) collects the deleted rows' hashes. `without`: ranges
+    of session ids whose steps and tool calls count as gone (days about to be dropped)."""
+    sql, params = ORPHANS, {}
+    for i, (lo, hi) in enumerate(without):
+        sql = sql.replace(" AND h = ANY", f" AND NOT (st.session_id >= :lo{i} AND st.session_id < :hi{i}) AND h = ANY", 1)
+        sql = sql.replace(" AND tc.result_hash = ANY",
+                          f" AND NOT (tc.session_id >= :lo{i} AND tc.session_id < :hi{i}) AND tc.result_hash = ANY", 1)
+        params |= {f"lo{i}": lo, f"hi{i}": hi}
     n, checked, batch, live = 0, set(), hashes, None
     while batch:  # an output refers to its native message, which refers to texts: two rounds at most
         refs: set[str] = set()
         for i in range(0, len(batch), 10_000):
-            gone = s.execute(text(ORPHANS + " RETURNING c.kind, c.body, c.hash"),
-                             {"tenant": tenant, "hashes": batch[i : i + 10_000]}).all()
+            gone = s.execute(text(sql + " RETURNING c.kind, c.body, c.hash"),
+                             {"tenant": tenant, "hashes": batch[i : i + 10_000], **params}).all()
             n += len(gone)
             if deleted is not None:
                 deleted.extend(h for _, _, h in gone)
@@ -195,58 +202,152 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
 
 # What a day's sessions hold, per tenant, read before its partitions are dropped (the arrays' lengths
 # are read from the rows: the audit counts stored token ids, as a forget by row does).
-_DAY_STEPS = (
-    "SELECT tenant_id, count(*), coalesce(sum(cardinality(prompt_token_ids) + cardinality(output_token_ids)), 0) "
-    "FROM steps WHERE session_id >= :lo AND session_id < :hi GROUP BY tenant_id")
+_IN_DAY = "session_id >= :lo AND session_id < :hi"
+_DAY_STEPS = ("SELECT tenant_id, count(*), coalesce(sum(cardinality(prompt_token_ids) + cardinality(output_token_ids)), 0) "
+              f"FROM steps WHERE {_IN_DAY} GROUP BY tenant_id")
 _DAY_HASHES = (
     "SELECT DISTINCT tenant_id, h FROM steps CROSS JOIN LATERAL "
-    "unnest(ARRAY[system_hash, tools_hash, output_hash] || message_hashes) AS h "
-    "WHERE session_id >= :lo AND session_id < :hi AND h IS NOT NULL "
-    "UNION SELECT DISTINCT tenant_id, result_hash FROM tool_calls "
-    "WHERE session_id >= :lo AND session_id < :hi AND result_hash IS NOT NULL")
-_IN_DAY = "session_id >= :lo AND session_id < :hi"
+    f"unnest(ARRAY[system_hash, tools_hash, output_hash] || message_hashes) AS h WHERE {_IN_DAY} AND h IS NOT NULL "
+    f"UNION SELECT DISTINCT tenant_id, result_hash FROM tool_calls WHERE {_IN_DAY} AND result_hash IS NOT NULL")
 
 
-def _drop_day(s: Session, part: partitions.DayPartition, tenants: list[str], by_tenant: dict[str, Forgotten]) -> None:
-    """Forget a day's remaining sessions by dropping its partitions: reads what the audit reports,
-    deletes the rows other tables hold of those sessions, drops, then the contents left unreferenced."""
-    lo, hi = partitions.id_range(part.day)
-    day = {"lo": lo, "hi": hi}
-    outs = {tenant: by_tenant.setdefault(tenant, Forgotten(tenant=tenant)) for tenant in tenants}
-    for tenant, n, tokens in s.execute(text(_DAY_STEPS), day):
-        outs[tenant].steps += n
-        outs[tenant].tokens += tokens
+def _counted(s: Session, sql: str, day: dict[str, str]) -> list[tuple[str, int]]:
+    """(tenant, rows) of a statement that deletes rows of a day's sessions."""
+    return s.execute(text(f"WITH d AS ({sql} RETURNING tenant_id) SELECT tenant_id, count(*) FROM d GROUP BY tenant_id"),
+                     day).all()
+
+
+def due_days(s: Session, *, policy_for, now: datetime) -> list[tuple[partitions.DayPartition, list[str]]]:
+    """The days retention drops whole, with their tenants: a day goes once every tenant with a session
+    begun that day has a `retention_days` and the day's start is that many days past, so its sessions
+    go between zero and one day before their own deadline (`started_at + retention_days`), never
+    after. A past day that holds no session goes once a day has passed (ids are minted at write: no
+    session can join it)."""
+    out = []
+    for part in partitions.day_partitions(s):
+        if part.end > now:
+            continue
+        lo, hi = partitions.id_range(part.day)
+        tenants = list(s.scalars(text("SELECT DISTINCT tenant_id FROM sessions WHERE id >= :lo AND id < :hi"),
+                                 {"lo": lo, "hi": hi}))
+        if not tenants and part.end + timedelta(days=1) > now:
+            continue
+        if all((days := policy_for(s, tenant).retention_days) and part.start + timedelta(days=days) <= now
+               for tenant in tenants):
+            out.append((part, tenants))
+    return out
+
+
+def _forget_days(s: Session, days: list[tuple[partitions.DayPartition, list[str]]], *, now: datetime,
+                 quiet_s: float, by_tenant: dict[str, Forgotten]) -> None:
+    """Forget whole days: everything of their sessions outside `steps` and `tool_calls` by row, those
+    two by dropping the days' partitions, last (the drop holds `steps`' lock until the transaction
+    commits: nothing slow may follow it).
+
+    Sessions of the days active within `quiet_s` (the continuation window: a proxy's memory may still
+    link a new call to them) are forgotten by row first, so every cache hears of their step ids.
+    Contents only the days used are deleted as if the days were already gone."""
+    ranges = [partitions.id_range(part.day) for part, _ in days]
     hashes: dict[str, set[str]] = {}
-    for tenant, h in s.execute(text(_DAY_HASHES), day):
-        hashes.setdefault(tenant, set()).add(h)
-    for tenant, n in s.execute(text(f"SELECT tenant_id, count(*) FROM tool_calls WHERE {_IN_DAY} GROUP BY tenant_id"), day):
-        outs[tenant].tool_calls += n
-    for tenant, version_id, n in s.execute(text(
-        "SELECT st.tenant_id, l.version_id, count(*) FROM version_lineage l JOIN sessions st ON st.id = l.session_id "
-        f"WHERE l.{_IN_DAY} GROUP BY st.tenant_id, l.version_id"), day):
-        outs[tenant].lineage[version_id] = outs[tenant].lineage.get(version_id, 0) + n
-    s.execute(text(f"DELETE FROM version_lineage WHERE {_IN_DAY}"), day)
-    s.execute(text(f"DELETE FROM continuation_links WHERE step_id IN (SELECT id FROM steps WHERE {_IN_DAY})"), day)
-    for tenant, n in s.execute(text(
-        f"WITH d AS (DELETE FROM feedback WHERE {_IN_DAY} RETURNING tenant_id) "
-        "SELECT tenant_id, count(*) FROM d GROUP BY tenant_id"), day):
-        outs[tenant].feedback += n
-    for tenant, n in s.execute(text(
-        f"WITH d AS (DELETE FROM stored_responses WHERE {_IN_DAY} RETURNING tenant_id) "
-        "SELECT tenant_id, count(*) FROM d GROUP BY tenant_id"), day):
-        outs[tenant].stored_responses += n
-    partitions.drop(s, part)
-    for tenant, n in s.execute(text(
-        "WITH d AS (DELETE FROM sessions WHERE id >= :lo AND id < :hi RETURNING tenant_id) "
-        "SELECT tenant_id, count(*) FROM d GROUP BY tenant_id"), day):
-        outs[tenant].sessions += n
-    for tenant, out in outs.items():
-        # The writer's caches hear of the deleted contents only: telling them of every candidate
-        # would make them forget texts live sessions still use (the token guard would then drop
-        # those sessions' next token ids).
-        n, _ = _delete_orphan_contents(s, tenant, sorted(hashes.get(tenant, ())), out.content_hashes)
-        out.contents += n
-        out.partitions.append(part.day.isoformat())
+    for (part, tenants), (lo, hi) in zip(days, ranges, strict=True):
+        day = {"lo": lo, "hi": hi}
+        outs = {tenant: by_tenant.setdefault(tenant, Forgotten(tenant=tenant)) for tenant in tenants}
+        active = s.execute(text("SELECT tenant_id, id FROM sessions WHERE id >= :lo AND id < :hi "
+                                "AND last_step_at > :since ORDER BY id"),
+                           {**day, "since": now - timedelta(seconds=quiet_s)}).all()
+        for tenant in sorted({tenant for tenant, _ in active}):
+            sids = [sid for tn, sid in active if tn == tenant]
+            for i in range(0, len(sids), 500):
+                _forget_sessions(s, tenant, sids[i : i + 500], outs[tenant])
+        for tenant, n, tokens in s.execute(text(_DAY_STEPS), day):
+            outs[tenant].steps += n
+            outs[tenant].tokens += tokens
+        for tenant, h in s.execute(text(_DAY_HASHES), day):
+            hashes.setdefault(tenant, set()).add(h)
+        for tenant, n in s.execute(text(f"SELECT tenant_id, count(*) FROM tool_calls WHERE {_IN_DAY} GROUP BY 1"), day):
+            outs[tenant].tool_calls += n
+        for tenant, version_id, n in s.execute(text(
+            "SELECT se.tenant_id, l.version_id, count(*) FROM version_lineage l JOIN sessions se ON se.id = l.session_id "
+            f"WHERE l.{_IN_DAY} GROUP BY 1, 2"), day):
+            outs[tenant].lineage[version_id] = outs[tenant].lineage.get(version_id, 0) + n
+        s.execute(text(f"DELETE FROM version_lineage WHERE {_IN_DAY}"), day)
+        s.execute(text(f"DELETE FROM continuation_links WHERE step_id IN (SELECT id FROM steps WHERE {_IN_DAY})"), day)
+        for tenant, n in _counted(s, f"DELETE FROM feedback WHERE {_IN_DAY}", day):
+            outs[tenant].feedback += n
+        for tenant, n in _counted(s, f"DELETE FROM stored_responses WHERE {_IN_DAY}", day):
+            outs[tenant].stored_responses += n
+        for tenant, n in _counted(s, "DELETE FROM sessions WHERE id >= :lo AND id < :hi", day):
+            outs[tenant].sessions += n
+        for out in outs.values():
+            out.partitions.append(part.day.isoformat())
+    for tenant, found in sorted(hashes.items()):
+        # The caches hear of the deleted contents only: told of every candidate, they would forget
+        # texts live sessions still use (the token guard would then drop those sessions' token ids).
+        out = by_tenant[tenant]
+        out.contents += _delete_orphan_contents(s, tenant, sorted(found), out.content_hashes, without=ranges)[0]
+    for part, _ in days:
+        partitions.drop(s, part)
+
+
+def run_retention(s: Session, *, policy_for, now: datetime | None = None, actor: str = "system",
+                  limit: int = 10_000, quiet_s: float = 24 * 3600.0) -> list[Forgotten]:
+    """Forget every session holding a step past its retention deadline.
+
+    A step's deadline is its `retention_until` (set at write from the policy then in force) or, when the
+    tenant's policy has since shortened retention, `started_at + retention_days`. A whole session goes:
+    its later steps replay the earlier ones' context (messages and token prefix), so keeping them would
+    keep the expired text. Whole days of sessions go by dropping their partitions (`due_days`,
+    `_forget_days`), the rest row by row. Also drops expired stored responses. One audit row per
+    tenant touched. A day whose partitions cannot be locked within 5 s (a long reader) is left, with
+    all it holds, for the next run.
+    """
+    now = now or datetime.now(UTC)
+    days = due_days(s, policy_for=policy_for, now=now) if partitions.is_partitioned(s) else []
+    outside = and_(true(), *(or_(t.Step.session_id < lo, t.Step.session_id >= hi)
+                     for lo, hi in (partitions.id_range(part.day) for part, _ in days)))
+    due: dict[str, list[str]] = {}
+    expired = (
+        select(t.Step.tenant_id, t.Step.session_id)
+        .where(t.Step.retention_until < now, outside)
+        .distinct()
+        .limit(limit)
+    )
+    for tenant, sid in s.execute(expired):
+        due.setdefault(tenant, []).append(sid)
+    for tenant in s.scalars(select(t.Tenant.id)):
+        days_kept = policy_for(s, tenant).retention_days
+        if not days_kept:
+            continue
+        cutoff = now - timedelta(days=days_kept)
+        q = (select(t.Step.session_id).where(t.Step.tenant_id == tenant, t.Step.started_at < cutoff, outside)
+             .distinct().limit(limit))
+        for sid in s.scalars(q):
+            if sid not in due.get(tenant, ()):
+                due.setdefault(tenant, []).append(sid)
+    by_tenant: dict[str, Forgotten] = {}
+    for tenant, sids in sorted(due.items()):
+        out = by_tenant.setdefault(tenant, Forgotten(tenant=tenant))
+        for i in range(0, len(sids), 500):
+            _forget_sessions(s, tenant, sids[i : i + 500], out)
+    responses = Counter(s.scalars(
+        delete(t.StoredResponse).where(t.StoredResponse.expires_at < now).returning(t.StoredResponse.tenant_id)
+    ))
+    for tenant, n in responses.items():
+        by_tenant.setdefault(tenant, Forgotten(tenant=tenant)).stored_responses += n
+    if days:
+        staged: dict[str, Forgotten] = {}
+        try:
+            with s.begin_nested():
+                _forget_days(s, days, now=now, quiet_s=quiet_s, by_tenant=staged)
+        except OperationalError as e:
+            log.warning("retention left %d due day(s) for the next run (%s)", len(days), db_error_reason(e))
+        else:
+            for tenant, got in staged.items():
+                _merge(by_tenant.setdefault(tenant, Forgotten(tenant=tenant)), got)
+            log.info("retention dropped the partitions of %s", ", ".join(part.day.isoformat() for part, _ in days))
+    for out in by_tenant.values():
+        _audit(s, actor, out.tenant, "retention.forget", out.tenant, {**out.counts(), "now": now.isoformat()})
+    return list(by_tenant.values())
 
 
 def _merge(into: Forgotten, got: Forgotten) -> None:
@@ -258,99 +359,3 @@ def _merge(into: Forgotten, got: Forgotten) -> None:
     into.content_hashes.extend(got.content_hashes)
     into.external_ids.extend(got.external_ids)
     into.partitions.extend(got.partitions)
-
-
-def drop_due_days(s: Session, *, policy_for, now: datetime, quiet_s: float,
-                  by_tenant: dict[str, Forgotten]) -> list[str]:
-    """Retention by partition: forget whole days of sessions by dropping their partitions.
-
-    A day goes once every tenant with a session begun that day (UTC) has a retention policy and the
-    day's start is `retention_days` past: its sessions go between zero and one day before their own
-    deadline (the row-by-row path's `started_at + retention_days`), never after. Sessions of the day
-    that were active within `quiet_s` (the continuation window: a proxy's memory may still link a new
-    call to them) are forgotten by row first, so every cache hears of their step ids. A past day that
-    holds no session is dropped once a day has passed (ids are minted at write: none can join it).
-    Returns the days dropped."""
-    dropped = []
-    for part in partitions.day_partitions(s):
-        if part.end > now:
-            continue
-        lo, hi = partitions.id_range(part.day)
-        rows = s.execute(text("SELECT tenant_id, count(*), max(last_step_at) FROM sessions "
-                              "WHERE id >= :lo AND id < :hi GROUP BY tenant_id"), {"lo": lo, "hi": hi}).all()
-        tenants = [tenant for tenant, _, _ in rows]
-        if not rows:
-            if part.end + timedelta(days=1) > now:
-                continue
-        elif not all((days := policy_for(s, tenant).retention_days) and part.start + timedelta(days=days) <= now
-                     for tenant in tenants):
-            continue
-        active = s.execute(text("SELECT tenant_id, id FROM sessions WHERE id >= :lo AND id < :hi "
-                                "AND last_step_at > :since ORDER BY id"),
-                           {"lo": lo, "hi": hi, "since": now - timedelta(seconds=quiet_s)}).all()
-        for tenant in sorted({tenant for tenant, _ in active}):
-            out = by_tenant.setdefault(tenant, Forgotten(tenant=tenant))
-            sids = [sid for tn, sid in active if tn == tenant]
-            for i in range(0, len(sids), 500):
-                _forget_sessions(s, tenant, sids[i : i + 500], out)
-        staged = {tenant: Forgotten(tenant=tenant) for tenant in tenants}
-        try:
-            with s.begin_nested():  # all of the day or none of it (a lock not had in time: next run)
-                _drop_day(s, part, tenants, staged)
-        except OperationalError as e:
-            log.warning("the partitions of %s not dropped (%s); next run", part.day, db_error_reason(e))
-            continue
-        for tenant, got in staged.items():
-            _merge(by_tenant.setdefault(tenant, Forgotten(tenant=tenant)), got)
-        dropped.append(part.day.isoformat())
-    if dropped:
-        log.info("retention dropped the partitions of %s", ", ".join(dropped))
-    return dropped
-
-
-def run_retention(s: Session, *, policy_for, now: datetime | None = None, actor: str = "system",
-                  limit: int = 10_000, quiet_s: float = 24 * 3600.0) -> list[Forgotten]:
-    """Forget every session holding a step past its retention deadline.
-
-    A step's deadline is its `retention_until` (set at write from the policy then in force) or, when the
-    tenant's policy has since shortened retention, `started_at + retention_days`. A whole session goes:
-    its later steps replay the earlier ones' context (messages and token prefix), so keeping them would
-    keep the expired text. Whole days of sessions go first, by dropping their partitions
-    (`drop_due_days`); the rest row by row. Also drops expired stored responses. One audit row per
-    tenant touched.
-    """
-    now = now or datetime.now(UTC)
-    by_tenant: dict[str, Forgotten] = {}
-    if partitions.is_partitioned(s):
-        drop_due_days(s, policy_for=policy_for, now=now, quiet_s=quiet_s, by_tenant=by_tenant)
-    due: dict[str, list[str]] = {}
-    expired = (
-        select(t.Step.tenant_id, t.Step.session_id)
-        .where(t.Step.retention_until < now)
-        .distinct()
-        .limit(limit)
-    )
-    for tenant, sid in s.execute(expired):
-        due.setdefault(tenant, []).append(sid)
-    for tenant in s.scalars(select(t.Tenant.id)):
-        days = policy_for(s, tenant).retention_days
-        if not days:
-            continue
-        cutoff = now - timedelta(days=days)
-        q = (select(t.Step.session_id).where(t.Step.tenant_id == tenant, t.Step.started_at < cutoff)
-             .distinct().limit(limit))
-        for sid in s.scalars(q):
-            if sid not in due.get(tenant, ()):
-                due.setdefault(tenant, []).append(sid)
-    for tenant, sids in sorted(due.items()):
-        out = by_tenant.setdefault(tenant, Forgotten(tenant=tenant))
-        for i in range(0, len(sids), 500):
-            _forget_sessions(s, tenant, sids[i : i + 500], out)
-    responses = Counter(s.scalars(
-        delete(t.StoredResponse).where(t.StoredResponse.expires_at < now).returning(t.StoredResponse.tenant_id)
-    ))
-    for tenant, n in responses.items():
-        by_tenant.setdefault(tenant, Forgotten(tenant=tenant)).stored_responses += n
-    for out in by_tenant.values():
-        _audit(s, actor, out.tenant, "retention.forget", out.tenant, {**out.counts(), "now": now.isoformat()})
-    return list(by_tenant.values())

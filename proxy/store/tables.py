@@ -106,7 +106,9 @@ class Step(Base):
 
     __tablename__ = "steps"
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    # No foreign key to sessions: a partitioned table's rows go by dropping a day (retention), and
+    # deleting a session's row must not cascade into its steps row by row (migration 0015).
+    session_id: Mapped[str] = mapped_column(String(36), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(128))
     seq: Mapped[int] = mapped_column(Integer)
     parent_step_id: Mapped[str | None] = mapped_column(String(36))

@@ -242,3 +242,30 @@ def test_a_day_made_too_late_stays_in_the_default_partition_and_goes_by_row(own_
     with db.transaction(factory) as s:
         [report] = forget.run_retention(s, policy_for=_policies({"ta": 30}), now=NOW)
     assert (report.sessions, report.steps, report.partitions) == (1, 3, [])
+
+
+def test_a_day_whose_lock_is_held_is_left_whole_for_the_next_run(own_db):
+    """The drop waits at most 5 s for `steps`' lock: behind a long reader, the due day is left with
+    everything it holds (its sessions, their contents), the row-by-row part of the run is kept, and
+    the next run drops the day."""
+    _, factory = own_db
+    old = NOW - timedelta(days=40)
+    with db.transaction(factory) as s:
+        partitions.ensure(s, today=old.date(), ahead=0)
+        in_day = _session(s, "ta", "in-day", old)
+        by_row = _session(s, "ta", "by-row", NOW - timedelta(days=35))  # no day partition: the default one
+    reader = factory()
+    reader.execute(text("SELECT count(*) FROM steps WHERE session_id = :s"), {"s": in_day})  # holds its lock
+    try:
+        with db.transaction(factory) as s:
+            [report] = forget.run_retention(s, policy_for=_policies({"ta": 30}), now=NOW)
+    finally:
+        reader.rollback()
+        reader.close()
+    assert report.partitions == [] and report.sessions == 1
+    with factory() as s:
+        assert s.get(t.Session, by_row) is None
+        assert len(session_document(s, s.get(t.Session, in_day)).steps) == 2  # whole, contents included
+    with db.transaction(factory) as s:
+        [report] = forget.run_retention(s, policy_for=_policies({"ta": 30}), now=NOW)
+    assert report.partitions == [old.date().isoformat()] and report.sessions == 1
