@@ -32,12 +32,15 @@ SELECT c.relname, pg_total_relation_size(c.oid), pg_indexes_size(c.oid),
 """
 INDEXES = """
 SELECT i.indexrelid::regclass::text, pg_relation_size(i.indexrelid)
+       + coalesce((SELECT sum(pg_relation_size(h.inhrelid)) FROM pg_inherits h WHERE h.inhparent = i.indexrelid), 0)
   FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace
  WHERE n.nspname = 'public' AND c.relname IN ('contents', 'steps', 'tool_calls')
 """
 PARTITIONED = """
-SELECT p.relname, sum(pg_total_relation_size(c.oid)), sum(pg_indexes_size(c.oid))
+SELECT p.relname, sum(pg_total_relation_size(c.oid)), sum(pg_indexes_size(c.oid)),
+       sum(coalesce(pg_total_relation_size(nullif(c.reltoastrelid, 0)), 0))
   FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
+ WHERE p.relkind = 'p' AND c.relkind = 'r'
  GROUP BY p.relname
 """
 BY_KIND = """
@@ -54,9 +57,9 @@ SELECT sum(pg_column_size(s.*)), sum(pg_column_size(prompt_token_ids)), sum(pg_c
 def sizes(conn) -> dict[str, tuple[int, int, int]]:
     """table -> (total, indexes, TOAST) bytes; heap = total - indexes - TOAST."""
     out = {name: (int(total), int(idx), int(toast)) for name, total, idx, toast in conn.exec_driver_sql(SIZES)}
-    for name, total, idx in conn.exec_driver_sql(PARTITIONED):
+    for name, total, idx, toast in conn.exec_driver_sql(PARTITIONED):  # a partitioned table: its partitions
         old = out.get(name, (0, 0, 0))
-        out[name] = (old[0] + int(total), old[1] + int(idx), old[2])
+        out[name] = (old[0] + int(total), old[1] + int(idx), old[2] + int(toast))
     return out
 
 
