@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import select, text
 
 from proxy.governance import forget
@@ -269,3 +270,42 @@ def test_a_day_whose_lock_is_held_is_left_whole_for_the_next_run(own_db):
     with db.transaction(factory) as s:
         [report] = forget.run_retention(s, policy_for=_policies({"ta": 30}), now=NOW)
     assert report.partitions == [old.date().isoformat()] and report.sessions == 1
+
+
+def test_ids_find_their_day_under_an_icu_collation(new_database, pg_admin_url):
+    """The day ranges compare session ids as text in the database's collation: under ICU's en-US
+    (where punctuation is not ignored, unlike glibc's) canonical UUIDs keep their C order, so ids
+    minted a millisecond either side of midnight land in their own days."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import DBAPIError
+
+    url = new_database("atdp_icu")
+    name = make_url(url).database
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as c:
+            c.exec_driver_sql(f'DROP DATABASE "{name}"')
+            try:
+                c.exec_driver_sql(f"CREATE DATABASE \"{name}\" TEMPLATE template0 LOCALE_PROVIDER icu "
+                                  "ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'")
+            except DBAPIError as e:
+                c.exec_driver_sql(f'CREATE DATABASE "{name}"')  # the fixture drops it at the end
+                pytest.skip(f"this PostgreSQL has no ICU collations ({type(e.orig).__name__}: {e.orig})")
+    finally:
+        admin.dispose()
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    factory = db.session_factory(engine)
+    try:
+        with db.transaction(factory) as s:
+            assert s.scalar(text("SELECT datlocprovider FROM pg_database WHERE datname = current_database()")) == "i"
+            midnight = datetime.combine(NOW.date() + timedelta(days=2), datetime.min.time(), UTC)
+            cases = {"before": midnight - timedelta(milliseconds=1), "at": midnight,
+                     "noon": midnight + timedelta(hours=12), "late": midnight + timedelta(days=1, hours=23, minutes=59)}
+            sids = {name: _session(s, "ti", name, when, turns=1) for name, when in cases.items()}
+        with factory() as s:
+            for name, when in cases.items():
+                assert _where(s, "steps", sids[name]) == {f"steps_p{when:%Y%m%d}"}, name
+    finally:
+        engine.dispose()
