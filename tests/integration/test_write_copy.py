@@ -79,7 +79,7 @@ def test_a_batch_of_many_sessions_numbers_each_in_order(factory, tenant):
     with db.transaction(factory) as s:
         assert write_steps(s, recs, new_id) == 300
     with factory() as s:
-        rows = s.execute(select(t.Step.id, t.Step.seq, t.Session.external_id).join(t.Session)
+        rows = s.execute(select(t.Step.id, t.Step.seq, t.Session.external_id).join(t.Session, t.Session.id == t.Step.session_id)
                          .where(t.Step.tenant_id == tenant)).all()
     seq = {sid: n for sid, n, _ in rows}
     for i in range(7):
