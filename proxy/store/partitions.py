@@ -75,20 +75,6 @@ def day_partitions(s: Session) -> list[DayPartition]:
 
 
 
-_PART = re.compile(r"^(steps|tool_calls)_(p\d{8}|legacy|default)$")
-
-
-def is_partition(name: str | None) -> bool:
-    """A partition's table: not in the ORM's metadata, which describes the partitioned parents
-    (Alembic's comparisons leave partitions out)."""
-    return bool(name and _PART.match(name))
-
-
-def include_object(obj, name, type_, reflected, compare_to) -> bool:
-    """Alembic's `include_object` hook: partitions are not schema objects of their own."""
-    return not (type_ == "table" and is_partition(name))
-
-
 def is_partitioned(s: Session) -> bool:
     return bool(s.scalar(text("SELECT count(*) FROM pg_class WHERE relname = 'steps' AND relkind = 'p'")))
 
@@ -143,3 +129,17 @@ def drop(s: Session, part: DayPartition) -> None:
     for table in part.tables:
         s.execute(text(f'DROP TABLE "{name_of(table, part.day)}"'))
     s.execute(text("SET LOCAL lock_timeout TO DEFAULT"))
+
+
+_PART = re.compile(r"^(steps|tool_calls)_(p\d{8}|legacy|default)$")
+
+
+def is_partition(name: str | None) -> bool:
+    """A partition's table: not in the ORM's metadata, which describes the partitioned parents
+    (Alembic's comparisons leave partitions out)."""
+    return bool(name and _PART.match(name))
+
+
+def include_object(obj, name, type_, reflected, compare_to) -> bool:
+    """Alembic's `include_object` hook: partitions are not schema objects of their own."""
+    return not (type_ == "table" and is_partition(name))
