@@ -10,7 +10,8 @@ retention drop a day whole, since retention forgets whole sessions (proxy.govern
 Layout per table: `<table>_legacy` for ids before partitioning began (and any id that sorts below
 the first day), `<table>_pYYYYMMDD` for the sessions begun that UTC day, created `AHEAD_DAYS` in
 advance, and `<table>_default` for anything else (a writer whose clock ran far ahead, or a day no
-one created in time: kept and served, forgotten by row like the legacy rows).
+one created in time: kept and served; the next `ensure` moves such a day into a partition of its own,
+a day beyond the week ahead stays and is forgotten by row like the legacy rows).
 """
 
 from __future__ import annotations
@@ -74,24 +75,27 @@ def day_partitions(s: Session) -> list[DayPartition]:
     return [DayPartition(d, tuple(sorted(found[d]))) for d in sorted(found)]
 
 
-
 def is_partitioned(s: Session) -> bool:
     return bool(s.scalar(text("SELECT count(*) FROM pg_class WHERE relname = 'steps' AND relkind = 'p'")))
 
 
 def ensure(s: Session, *, today: date | None = None, ahead: int = AHEAD_DAYS) -> list[str]:
-    """Create the day partitions from `today` to `today + ahead` that are missing. Returns the names
-    created. A day whose ids the default partition already holds cannot be created (PostgreSQL
-    refuses): it is logged and its sessions stay in the default partition."""
+    """Create the day partitions from `today` to `today + ahead` that are missing, and those of the
+    days the default partition holds sessions of (no proxy ran for a week, or none could make the
+    day): their rows move into the new partition (`_adopt`), so retention drops that day whole like
+    any other. Returns the names created. A day that cannot be made (a lock not granted within 5 s)
+    is logged and left for the next run; its sessions stay readable in the default partition."""
     if not is_partitioned(s):
         return []
     today = today or datetime.now(UTC).date()
+    last = today + timedelta(days=ahead)
     s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK})
     have = {(tbl, p.day) for p in day_partitions(s) for tbl in p.tables}
     legacy_end = _legacy_ends(s)
+    stranded = {table: {d for d in _default_days(s, table) if d <= last} for table in TABLES}
+    days = sorted({today + timedelta(days=i) for i in range(ahead + 1)}.union(*stranded.values()))
     created = []
-    for i in range(ahead + 1):
-        day = today + timedelta(days=i)
+    for day in days:
         lo, hi = id_range(day)
         for table in TABLES:
             if (table, day) in have or lo < legacy_end.get(table, ""):
@@ -99,15 +103,52 @@ def ensure(s: Session, *, today: date | None = None, ahead: int = AHEAD_DAYS) ->
             name = name_of(table, day)
             try:
                 with s.begin_nested():
-                    s.execute(text(f'CREATE TABLE "{name}" PARTITION OF {table} '
-                                   f"FOR VALUES FROM ('{lo}') TO ('{hi}')"))
+                    if day in stranded[table]:
+                        moved = _adopt(s, table, day)
+                        log.warning("moved %d rows of the sessions begun %s out of %s_default into %s",
+                                    moved, day, table, name)
+                    else:
+                        s.execute(text(f'CREATE TABLE "{name}" PARTITION OF {table} '
+                                       f"FOR VALUES FROM ('{lo}') TO ('{hi}')"))
                 created.append(name)
             except DBAPIError as e:
-                log.warning("partition %s not created (%s); its sessions stay in %s_default", name,
+                log.warning("partition %s not created (%s); its sessions stay in %s_default for now", name,
                             type(e.orig).__name__, table)
     if created:
         log.info("created partitions %s", ", ".join(created))
     return created
+
+
+def _default_days(s: Session, table: str) -> set[date]:
+    """The UTC days whose sessions have rows in `<table>_default` (empty in a healthy store: a cheap scan)."""
+    if s.scalar(text("SELECT to_regclass(:t)"), {"t": f"{table}_default"}) is None:
+        return set()
+    out = set()
+    for (stamp,) in s.execute(text(f"SELECT DISTINCT substr(session_id, 1, 8) || substr(session_id, 10, 4) "
+                                   f'FROM "{table}_default"')):
+        try:
+            out.add(datetime.fromtimestamp(int(stamp, 16) / 1000, UTC).date())
+        except (ValueError, OverflowError, OSError):
+            continue  # not a UUIDv7 text: stays where it is
+    return out
+
+
+def _adopt(s: Session, table: str, day: date) -> int:
+    """Make `day`'s partition of `table` from the rows the default partition holds for it: a new table
+    takes them and is attached (PostgreSQL refuses to create a partition whose range the default
+    holds rows of). The default partition is locked for the move (at most 5 s wait for writers)."""
+    lo, hi = id_range(day)
+    name = name_of(table, day)
+    s.execute(text("SET LOCAL lock_timeout = '5s'"))
+    s.execute(text(f'LOCK TABLE "{table}_default" IN ACCESS EXCLUSIVE MODE'))
+    s.execute(text(f'CREATE TABLE "{name}" (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS '
+                   "INCLUDING STORAGE INCLUDING COMPRESSION)"))
+    moved = s.execute(text(
+        f'WITH moved AS (DELETE FROM "{table}_default" WHERE session_id >= :lo AND session_id < :hi RETURNING *) '
+        f'INSERT INTO "{name}" SELECT * FROM moved'), {"lo": lo, "hi": hi}).rowcount
+    s.execute(text(f"ALTER TABLE {table} ATTACH PARTITION \"{name}\" FOR VALUES FROM ('{lo}') TO ('{hi}')"))
+    s.execute(text("SET LOCAL lock_timeout TO DEFAULT"))
+    return moved
 
 
 def _legacy_ends(s: Session) -> dict[str, str]:

@@ -226,23 +226,69 @@ def test_the_migration_keeps_recorded_data_in_place_and_back(new_database):
         engine.dispose()
 
 
-def test_a_day_made_too_late_stays_in_the_default_partition_and_goes_by_row(own_db, caplog):
+def test_a_day_made_too_late_moves_out_of_the_default_partition_and_is_dropped_whole(own_db, caplog):
     """Sessions minted on a day that had no partition (no proxy ran for over a week) land in the
-    default partition; that day's partition cannot be made afterwards (PostgreSQL refuses a range the
-    default holds rows of): the refusal is logged, the sessions read whole and retention forgets them
-    by row."""
+    default partition. PostgreSQL refuses to create a partition whose range the default holds rows of,
+    so the next upkeep moves the day's rows into a new partition and attaches it: the sessions read
+    whole from there, writes go on, and retention drops the day like any other."""
     _, factory = own_db
     old = NOW - timedelta(days=40)
     with db.transaction(factory) as s:
         sid = _session(s, "ta", "late", old, turns=3)
-        assert _where(s, "steps", sid) == {"steps_default"}
-        assert partitions.ensure(s, today=old.date(), ahead=0) == []
-    assert "stay in steps_default" in caplog.text
-    with factory() as s:
-        assert len(session_document(s, s.get(t.Session, sid)).steps) == 3
+        other = _session(s, "ta", "late-next-day", old + timedelta(days=1), turns=2)
+        assert _where(s, "steps", sid) == _where(s, "steps", other) == {"steps_default"}
+        assert _where(s, "tool_calls", sid) == {"tool_calls_default"}
     with db.transaction(factory) as s:
+        created = partitions.ensure(s)  # today's upkeep finds the two stranded days
+    stamps = [f"{old:%Y%m%d}", f"{old + timedelta(days=1):%Y%m%d}"]
+    assert created == [f"{tbl}_p{d}" for d in stamps for tbl in ("steps", "tool_calls")]
+    assert "moved 3 rows of the sessions begun" in caplog.text
+    with factory() as s:
+        assert _where(s, "steps", sid) == {f"steps_p{stamps[0]}"}
+        assert _where(s, "tool_calls", sid) == {f"tool_calls_p{stamps[0]}"}
+        assert _where(s, "steps", other) == {f"steps_p{stamps[1]}"}
+        assert s.scalar(text("SELECT count(*) FROM steps_default")) == 0
+        doc = session_document(s, s.get(t.Session, sid))
+        assert [st.seq for st in doc.steps] == [1, 2, 3]
+        assert doc.steps[1].observation.tool_results[0].call_step_id == doc.steps[0].id
+        # The moved partition has the parent's keys: a duplicate step is refused.
+        with pytest.raises(Exception, match="duplicate key"):
+            s.execute(text(f"INSERT INTO steps_p{stamps[0]} SELECT * FROM steps WHERE session_id = :s LIMIT 1"),
+                      {"s": sid})
+        s.rollback()
+    with db.transaction(factory) as s:
+        assert partitions.ensure(s) == []  # nothing left to move
         [report] = forget.run_retention(s, policy_for=_policies({"ta": 30}), now=NOW)
-    assert (report.sessions, report.steps, report.partitions) == (1, 3, [])
+    assert (report.sessions, report.steps) == (2, 5)
+    assert report.partitions == [old.date().isoformat(), (old + timedelta(days=1)).date().isoformat()]
+    with factory() as s:
+        assert [p.day for p in partitions.day_partitions(s)][0] == NOW.date()
+
+
+def test_a_stranded_day_whose_default_is_locked_waits_for_the_next_run(own_db, caplog):
+    """A writer holding the default partition longer than 5 s: the move gives up, the rows stay where
+    they are and read whole, and the next run moves them."""
+    _, factory = own_db
+    old = NOW - timedelta(days=40)
+    with db.transaction(factory) as s:
+        sid = _session(s, "tb", "locked", old, turns=2)
+    with factory() as holder:
+        holder.execute(text("LOCK TABLE steps_default IN ROW EXCLUSIVE MODE"))
+        with db.transaction(factory) as s:
+            created = partitions.ensure(s)
+        assert f"steps_p{old:%Y%m%d}" not in created and "stay in steps_default for now" in caplog.text
+        holder.rollback()
+    with factory() as s:
+        assert _where(s, "steps", sid) == {"steps_default"}
+        assert _where(s, "tool_calls", sid) == {f"tool_calls_p{old:%Y%m%d}"}  # that table's move went through
+    # Half a day is not dropped: retention forgets its sessions by row.
+    with db.transaction(factory) as s:
+        assert forget.due_days(s, policy_for=_policies({"tb": 30}), now=NOW) == []
+    with db.transaction(factory) as s:
+        assert f"steps_p{old:%Y%m%d}" in partitions.ensure(s)
+    with factory() as s:
+        assert _where(s, "steps", sid) == {f"steps_p{old:%Y%m%d}"}
+        assert len(session_document(s, s.get(t.Session, sid)).steps) == 2
 
 
 def test_a_day_whose_lock_is_held_is_left_whole_for_the_next_run(own_db):
