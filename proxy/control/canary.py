@@ -116,11 +116,13 @@ def start_monitor(state: AppState, versions: Versions, ref: CanaryRef) -> None:
 
 
 async def resume(state: AppState, versions: Versions) -> None:
-    """At start-up: once the versions are loaded, a canary still running goes on being monitored."""
+    """At start-up: once the versions are loaded, the canary that was running then goes on being
+    monitored. Only that one: a canary another proxy begins later (heard of on the swap bus, perhaps
+    before this poll) is routed here, not monitored (proxy.control.canarybus.sync)."""
     while not versions.ready.is_set():  # polled: a thread blocked on the event would outlive shutdown
         await asyncio.sleep(0.5)
-    ref = state.canary.active
-    if ref is not None and versions.canary_task is None:
+    ref, found = state.canary.active, versions.canary_at_start
+    if ref is not None and found is not None and ref.version_id == found.version_id and versions.canary_task is None:
         start_monitor(state, versions, ref)
 
 

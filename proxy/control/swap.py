@@ -42,7 +42,7 @@ from proxy.errors import ApiError
 from proxy.governance.tokens import find_tokenizer
 from proxy.state import AppState
 from proxy.store import tables as t
-from proxy.store.canary import active_canary
+from proxy.store.canary import CanaryRef, active_canary
 from proxy.store.ids import new_id
 from proxy.store.versions import BASE_NAME, VersionRef, serving_version
 from proxy.upstream import Replica, redact_url_text
@@ -64,6 +64,7 @@ class Versions:
         self.transfer = state.settings.weight_transfer  # disk | nccl (proxy.control.engine_weights)
         self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
         self.canary_task: asyncio.Task | None = None  # the running canary's monitor (proxy.control.canary)
+        self.canary_at_start: CanaryRef | None = None  # the canary running when this proxy started (it resumes it)
         self.bus: SwapBus | None = None  # swaps across the proxies on this database (set on connect)
         self._driver: Driver | None = None  # while this proxy drives a swap
 
@@ -165,6 +166,7 @@ class Versions:
         for replica in state.pool.replicas:
             replica.version = canary.candidate if replica.label in in_canary else ref.name
         self.current = ref
+        self.canary_at_start = canary
         if canary is not None:
             state.canary.activate(canary, [r.label for r in state.pool.replicas])
             log.info("canary of %s resumed on %s", canary.candidate, ", ".join(canary.replicas))

@@ -11,11 +11,13 @@ stop, the group gets its weights back.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
 from sqlalchemy import select
 
+from proxy.control import canary
 from proxy.store import tables as t
 from tests.fake_vllm import FakeVLLM, ServerThread
 
@@ -55,6 +57,10 @@ def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
         vid = r.json()["id"]
         _until(lambda: b.state.canary.active is not None, "proxy B never learned of the canary")
         assert b.state.canary.active.version_id == vid and b.versions.canary_task is None  # routes, does not decide
+        # B's start-up resume may run after B heard of the canary (it polls every 0.5 s): it resumes
+        # only a canary that was running when B started, so B still routes without a monitor.
+        asyncio.run(canary.resume(b.state, b.versions))
+        assert b.versions.canary_task is None
         assert [rep.version for rep in b.state.pool.replicas] == ["cand", "base"]
         c = start_proxy([s.url for s in servers], **opts)  # started during the canary: resumes it
         assert c.versions.ready.wait(30)
