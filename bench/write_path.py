@@ -85,7 +85,11 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int) 
     url = db.sqlalchemy_url(admin_url).rsplit("/", 1)[0] + f"/{name}"
     try:
         db.upgrade(url)
-        engine = db.make_engine(url, pool_size=1, max_overflow=0)
+        # As the writer child connects (custom plans); a baseline tree without that option: its default.
+        try:
+            engine = db.make_engine(url, pool_size=1, max_overflow=0, custom_plans=True)
+        except TypeError:
+            engine = db.make_engine(url, pool_size=1, max_overflow=0)
         backends = backend_pids(engine)
 
         steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)

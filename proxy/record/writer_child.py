@@ -97,7 +97,7 @@ def child_main(settings: Settings, policies: Policies, inbox: Connection, outbox
             elif kind == "connect":
                 if engine is not None:
                     engine.dispose()
-                engine = db.make_engine(msg[1])
+                engine = db.make_engine(msg[1], custom_plans=True)  # every statement names its sessions
                 rec.connect(msg[1], db.session_factory(engine))
             elif kind == "forget":
                 rec.forget(msg[1], **msg[2])

@@ -23,6 +23,11 @@ def _dumps(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
+def json_text(value: Any) -> str:
+    """JSON text for a `CAST(... AS jsonb)` (None is JSON null, as `jsonb` writes it)."""
+    return _dumps(value)
+
+
 def jsonb(value: Any) -> Jsonb:
     """A JSONB parameter; None is JSON null, as SQLAlchemy's JSONB stores it (`contents.body` is NOT NULL)."""
     return Jsonb(value, dumps=_dumps)
@@ -44,7 +49,7 @@ def real_array(values: Iterable[float]) -> str:
 
 
 def text_array(values: Sequence[str]) -> str:
-    """A `varchar[]` literal (content hashes: quoted anyway, so any text is safe)."""
+    """A `text[]` literal, every element quoted and escaped, so any text without NUL is safe."""
     return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
 
 
@@ -66,10 +71,3 @@ def copy_rows(s: Session, table: str, columns: Sequence[str], rows: Iterable[Seq
     with _as_sqlalchemy_errors(statement), raw.cursor() as cur, cur.copy(statement) as cp:
         for row in rows:
             cp.write_row(row)
-
-
-def execute_many(s: Session, statement: str, rows: Sequence[Sequence[Any]]) -> None:
-    """One prepared statement for many rows, pipelined (psycopg's executemany), in the session's transaction."""
-    raw = s.connection().connection.driver_connection
-    with _as_sqlalchemy_errors(statement), raw.cursor() as cur:
-        cur.executemany(statement, rows)

@@ -33,7 +33,8 @@ def test_awkward_values_round_trip(factory, tenant):
     first = _step(
         tenant, "copy-1", now, upstream=AWKWARD, eligibility_reason=AWKWARD,
         contents=[ContentRow(hash="h-awkward", kind="message", body=body, size=99, redaction={"EMAIL": 1}),
-                  ContentRow(hash="h-none", kind="tool_result", body=None, size=4)],  # a tool result of null
+                  ContentRow(hash="h-none", kind="tool_result", body=None, size=4),  # a tool result of null
+                  ContentRow(hash="h-nul", kind="tool_result", body="NULL\x00", size=5)],
         message_hashes=["h-awkward", 'odd"hash\\x'], params={"stop": ["a\x00b"], "temperature": 0.5},
         error={"message": "bad\x00byte", "nan": math.nan}, output_logprobs=[math.nan, -math.inf],
         output_mask=[1, 0], retention_until=now + timedelta(days=3), cost=0.125, ttft_ms=1.5,
@@ -50,12 +51,14 @@ def test_awkward_values_round_trip(factory, tenant):
     with factory() as s:
         a, b = t.get_step(s, first.id), t.get_step(s, second.id)
         content = s.get(t.Content, (tenant, "h-awkward"))
+        nul = s.get(t.Content, (tenant, "h-nul"))
         nulls = s.execute(text("SELECT (SELECT jsonb_typeof(body) FROM contents WHERE tenant_id = :t AND hash = 'h-none'),"
                                " (SELECT jsonb_typeof(error) FROM steps WHERE id = :b)"), {"t": tenant, "b": second.id}).one()
         calls = list(s.scalars(select(t.ToolCall).where(t.ToolCall.step_id == first.id)))
     assert (a.seq, b.seq) == (1, 2) and a.session_id == b.session_id
     assert a.upstream == AWKWARD and a.eligibility_reason == AWKWARD
     assert content.body == body and content.redaction == {"EMAIL": 1} and content.size == 99
+    assert nul.body == "NULL\ufffd" and nul.redaction == {}
     assert a.message_hashes == ["h-awkward", 'odd"hash\\x']
     assert a.params == {"stop": ["a\ufffdb"], "temperature": 0.5}
     assert a.error == {"message": "bad\ufffdbyte", "nan": None}
@@ -140,3 +143,48 @@ def test_float32_logprobs_come_back_bit_for_bit(factory, tenant):
         stored = t.get_step(s, special.id).output_logprobs
     assert [bytes(b) for b in got] == [struct.pack(">f", v) for v in logprobs]
     assert math.isnan(stored[0]) and stored[1] == -math.inf
+
+
+def _batches(engine, tenant: str, n: int, sessions: int = 32) -> dict[str, int]:
+    """`n` batches (a step of each of `sessions` sessions, parent-linked turns) on one connection;
+    then that connection's prepared statements on the partitioned tables: how often each kind of
+    plan was used (read in the last batch's transaction: psycopg forgets them on a ROLLBACK)."""
+    factory = db.session_factory(engine)
+    parents: dict[str, str] = {}
+    when = datetime.now(UTC)
+    for k in range(n):
+        batch = []
+        for ext in (f"plan-{j}" for j in range(sessions)):
+            step = _step(tenant, ext, when + timedelta(seconds=k), parent_step_id=parents.get(ext),
+                         contents=[ContentRow(hash=f"h-{ext}-{k}", kind="message", body={"k": k}, size=8)],
+                         tool_calls=[ToolCallRow(call_id=f"c{k}", name="read_file", arguments={})],
+                         tool_results=[ToolResultRow(call_id=f"c{k - 1}", result_hash=f"h-{ext}-{k}")] if k else [])
+            parents[ext] = step.id
+            batch.append(step)
+        with db.transaction(factory) as s:
+            assert write_steps(s, batch, new_id) == sessions
+            if k == n - 1:
+                row = s.connection().exec_driver_sql(
+                    "SELECT coalesce(sum(generic_plans), 0), coalesce(sum(custom_plans), 0) FROM pg_prepared_statements"
+                    " WHERE statement ILIKE '%%FROM steps%%' OR statement ILIKE '%%UPDATE tool_calls%%'").one()
+    return {"generic": int(row[0]), "custom": int(row[1])}
+
+
+def test_the_writer_plans_each_batch_for_its_sessions(db_url, tenant):
+    """The writer's lookups on the day-partitioned tables get a plan made with the batch's own
+    sessions (pruned to their partitions, their indexes), never a generic plan: one cached while the
+    day's partition was nearly empty scanned the whole day for every batch (bench/write_path.py
+    --batch 32: 0.6 -> 8 ms per batch within 6,000 steps). Other connections keep the default, as a
+    read that cannot be pruned would plan every day's partition on each execution."""
+    writer = db.make_engine(db_url, pool_size=1, max_overflow=0, custom_plans=True)
+    other = db.make_engine(db_url, pool_size=1, max_overflow=0)
+    try:
+        with writer.connect() as c:
+            assert c.exec_driver_sql("SHOW plan_cache_mode").scalar_one() == "force_custom_plan"
+        plans = _batches(writer, tenant, 16)
+        assert plans["generic"] == 0 and plans["custom"] >= 16  # prepared (psycopg: from the 5th run), planned each time
+        with other.connect() as c:
+            assert c.exec_driver_sql("SHOW plan_cache_mode").scalar_one() == "auto"
+    finally:
+        writer.dispose()
+        other.dispose()
