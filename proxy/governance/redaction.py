@@ -38,7 +38,6 @@ from proxy.governance.recognizers import recognizer_classes
 from proxy.governance.secrets import (
     _AUTH_KEY,
     _AUTH_VALUE,
-    _KV_SECRET,
     _PRESIDIO_GATES,
     _SECRET_GATES,
     _SECRET_KEY,
@@ -52,6 +51,7 @@ from proxy.governance.secrets import (
     _kv_span,
     _merge,
     glued,
+    kv_matches,
     looks_secret,
 )
 
@@ -244,7 +244,7 @@ class Redactor:
             if not any(lit in haystack for lit in literals):
                 continue
             if entity == "HIGH_ENTROPY_SECRET":
-                for m in _KV_SECRET.finditer(text):
+                for m in kv_matches(text, lowered):
                     span = _kv_span(text, m)
                     if span:
                         found.append((span[0], span[1], entity, 0.7))

@@ -210,6 +210,35 @@ def _kv_span(text: str, m: re.Match[str]) -> tuple[int, int] | None:
 
 _KV_KEYWORD = re.compile(rf"(?i)(?:{_SECRET_KEY_WORDS})")
 
+# Every key word holds one of these (the HIGH_ENTROPY_SECRET gate's literals), at most _KV_LEAD
+# characters in (`encryption_key`): a match of _KV_SECRET starts at most that far before one.
+_KV_ROOTS = ("pass", "pwd", "secret", "token", "key", "credential")
+_KV_LEAD = 11
+
+
+def kv_matches(text: str, lowered: str) -> Iterator[re.Match[str]]:
+    """`_KV_SECRET.finditer(text)`, the same matches, tried only where a key word can start.
+
+    A case-blind alternation is tried at every position by Python's `re` (a fifth of the writer's
+    redaction time went there on agent text, where `key` and `token` are everywhere); `str.find` on
+    the lowered text finds the few places worth trying, and `match` there is what `finditer`'s search
+    finds at that start. ASCII only: there `lower()` keeps every index and `re`'s case folding is
+    `lower()`'s (elsewhere `ſ` matches `s`); other text takes `finditer` itself."""
+    if not text.isascii():
+        yield from _KV_SECRET.finditer(text)
+        return
+    starts: set[int] = set()
+    for root in _KV_ROOTS:
+        i = lowered.find(root)
+        while i >= 0:
+            starts.update(range(max(0, i - _KV_LEAD), i + 1))
+            i = lowered.find(root, i + 1)
+    end = 0
+    for q in sorted(starts):
+        if q >= end and (m := _KV_SECRET.match(text, q)) is not None:
+            yield m
+            end = m.end()
+
 
 def _c(pattern: str, flags: int = 0) -> re.Pattern[str]:
     return re.compile(pattern, flags)
@@ -408,23 +437,27 @@ def card_scheme_ok(digits: str) -> bool:
 
 
 # Gates for Presidio's pattern recognizers (entity -> regex that must match somewhere first): each
-# matches wherever its recognizer's patterns can (the `\b`s are the patterns' own), cheaper.
+# matches wherever its recognizer's patterns can (the `\b`s are the patterns' own), cheaper. Each
+# starts with a rare literal or a narrow class, the rest of its first element checked behind it
+# (`(?<=...)`): Python's `re` skips ahead to a possible first character in C, where a gate that
+# began with `\b`, `\w` or a hex class was tried at nearly every position. `\d(?<!\w\d)` is `\b\d`.
+# tests/unit/test_redaction_agent.py holds each to its plain form (GATES_PLAIN there) on generated text.
 _PRESIDIO_GATES: dict[str, re.Pattern[str]] = {
-    "EMAIL_ADDRESS": _c(r"\w@\w"),
-    "CREDIT_CARD": _c(r"\b\d{4}[ -]?\d{3,4}[ -]?\d{3,4}[ -]?\d{3,5}\b"),
-    "IP_ADDRESS": _c(r"\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|::|(?:[0-9A-Fa-f]{1,4}:){4}"),
-    "IBAN_CODE": _c(r"[A-Z]{2}\d{2}[ ]?[A-Z0-9]{4}"),
-    "US_SSN": _c(r"\b\d{3}[- .]?\d{2}[- .]?\d{4}\b"),
-    "US_ITIN": _c(r"\b9\d{2}[- ]?[5-9]\d[- ]?\d{4}\b"),
+    "EMAIL_ADDRESS": _c(r"@(?<=\w@)\w"),
+    "CREDIT_CARD": _c(r"\d(?<!\w\d)\d{3}[ -]?\d{3,4}[ -]?\d{3,4}[ -]?\d{3,5}\b"),
+    "IP_ADDRESS": _c(r"\.(?<=\d\.)\d{1,3}\.\d{1,3}\.\d|::|:(?<=[0-9A-Fa-f]:)(?:[0-9A-Fa-f]{1,4}:){3}"),
+    "IBAN_CODE": _c(r"\d(?<=[A-Z]{2}\d)\d[ ]?[A-Z0-9]{4}"),
+    "US_SSN": _c(r"\d(?<!\w\d)\d{2}[- .]?\d{2}[- .]?\d{4}\b"),
+    "US_ITIN": _c(r"9(?<!\w9)\d{2}[- ]?[5-9]\d[- ]?\d{4}\b"),
     "CRYPTO": _c(r"(?:bc1|[13])[a-zA-HJ-NP-Z0-9]{25}"),
-    "MAC_ADDRESS": _c(r"[0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}|[0-9A-Fa-f]{4}\.[0-9A-Fa-f]{4}\."),
-    "URL": _c(r"[A-Za-z0-9]\.[A-Za-z]{2}"),
-    "UUID": _c(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-"),
+    "MAC_ADDRESS": _c(r"[:-](?<=[0-9A-Fa-f]{2}[:-])[0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}|\.(?<=[0-9A-Fa-f]{4}\.)[0-9A-Fa-f]{4}\."),
+    "URL": _c(r"\.(?<=[A-Za-z0-9]\.)[A-Za-z]{2}"),
+    "UUID": _c(r"-(?<=[0-9a-fA-F]{8}-)[0-9a-fA-F]{4}-"),
     "US_DRIVER_LICENSE": _c(r"\d{5}"),
     "US_BANK_NUMBER": _c(r"\d{8}"),
     "US_PASSPORT": _c(r"\d{8}"),
     "UK_NHS": _c(r"\d{3}[ -]?\d{3}[ -]?\d{4}"),
-    "MEDICAL_LICENSE": _c(r"[A-Za-z]{2}\d{7}"),
+    "MEDICAL_LICENSE": _c(r"\d(?<=[A-Za-z]{2}\d)\d{6}"),
     "DATE_TIME": _c(r"\d"),
 }
 

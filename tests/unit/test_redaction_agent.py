@@ -178,3 +178,114 @@ def test_the_glued_group_shortcut_finds_what_the_full_phone_scan_finds(redactor:
     assert skipped > 300  # the shortcut left windows out of that many texts
     assert sum(map(len, full)) > 300  # the corpus holds phone numbers the scan finds
     assert fast == full, [(t, a, b) for t, a, b in zip(texts, fast, full, strict=True) if a != b][:5]
+
+
+# The gates' plain forms (`secrets._PRESIDIO_GATES` starts each on a rare character instead): the same
+# texts must open each gate, so every text a recognizer could match still reaches it.
+GATES_PLAIN = {
+    "EMAIL_ADDRESS": r"\w@\w",
+    "CREDIT_CARD": r"\b\d{4}[ -]?\d{3,4}[ -]?\d{3,4}[ -]?\d{3,5}\b",
+    "IP_ADDRESS": r"\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}|::|(?:[0-9A-Fa-f]{1,4}:){4}",
+    "IBAN_CODE": r"[A-Z]{2}\d{2}[ ]?[A-Z0-9]{4}",
+    "US_SSN": r"\b\d{3}[- .]?\d{2}[- .]?\d{4}\b",
+    "US_ITIN": r"\b9\d{2}[- ]?[5-9]\d[- ]?\d{4}\b",
+    "CRYPTO": r"(?:bc1|[13])[a-zA-HJ-NP-Z0-9]{25}",
+    "MAC_ADDRESS": r"[0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}|[0-9A-Fa-f]{4}\.[0-9A-Fa-f]{4}\.",
+    "URL": r"[A-Za-z0-9]\.[A-Za-z]{2}",
+    "UUID": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-",
+    "US_DRIVER_LICENSE": r"\d{5}",
+    "US_BANK_NUMBER": r"\d{8}",
+    "US_PASSPORT": r"\d{8}",
+    "UK_NHS": r"\d{3}[ -]?\d{3}[ -]?\d{4}",
+    "MEDICAL_LICENSE": r"[A-Za-z]{2}\d{7}",
+    "DATE_TIME": r"\d",
+}
+
+
+def _gate_texts(n: int, seed: int) -> list[str]:
+    """Short texts drawn from the characters the gates turn on (digits, hex letters, capitals, the
+    separators, `@`, word characters that are not ASCII, a digit that is not ASCII), plus the seeded
+    PII values with a character glued on either side."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "0123456789" * 4 + "abcdefABCDEF" * 2 + "XYZbcq" + "..::--  @_9" + "é٣\n"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+    def group() -> str:  # a run of one kind: digits, hex, capitals, or a separator
+        kind = rng.randrange(5)
+        if kind == 0:
+            return "".join(rng.choice("0123456789٣") for _ in range(rng.randint(1, 5)))
+        if kind == 1:
+            return "".join(rng.choice("0123456789abcdefABCDEF") for _ in range(rng.randint(1, 4)))
+        if kind == 2:
+            return "".join(rng.choice("ABCXYZ") for _ in range(rng.randint(1, 3)))
+        if kind == 3:
+            return rng.choice([" ", "-", ".", ":", "::", "@", "_", "é", "\n"])
+        return rng.choice(["bc1", "1", "3", "9", "a", "x"])
+
+    texts += ["".join(group() for _ in range(rng.randint(1, 12))) for _ in range(n)]
+    # The gates' own shapes (d digit, h hex, A capital, w letter), some characters changed, glued to
+    # whatever comes first or last.
+    shapes = ["ddd-dd-dddd", "9dd-7d-dddd", "9dd 5d dddd", "dddd dddd dddd dddd", "dddd-ddd-dddd-ddd",
+              "d.d.d.d", "ddd.dd.ddd.d", "hh:hh:hh:hh:", "hh-hh-hh", "hhhh.hhhh.", "AAdd AAAA", "AAddAdAd",
+              "w@w", "hhhhhhhh-hhhh-", "AAddddddd", "bc1hhhhhhhhhhhhhhhhhhhhhhhhhh", "ddddddddd"]
+    fill = {"d": "0123456789", "h": "0123456789abcdefABCDEF", "A": "ABCDEFXYZ", "w": "abcxyz_é"}
+    glue = ["", "", " ", "a", "7", "_", "é", "٣", ".", ":", "-"]
+    for _ in range(n):
+        body = "".join(rng.choice(fill[c]) if c in fill else c for c in rng.choice(shapes))
+        if rng.random() < 0.3:
+            i = rng.randrange(len(body))
+            body = body[:i] + rng.choice("0a-.: A٣") + body[i + 1 :]
+        texts.append(rng.choice(glue) + body + rng.choice(glue))
+    values = [v for vs in SEEDED.values() for v in vs]
+    texts += [f"{rng.choice(['', 'a', '1', ' ', '_', '.'])}{v}{rng.choice(['', 'a', '1', ' ', '-', ':'])}"
+              for v in values for _ in range(3)]
+    return texts
+
+
+def test_each_gate_opens_on_the_same_texts_as_its_plain_form() -> None:
+    import re
+
+    from proxy.governance.secrets import _PRESIDIO_GATES
+
+    assert set(GATES_PLAIN) == set(_PRESIDIO_GATES)
+    texts = _gate_texts(40_000, seed=3)
+    for entity, plain in GATES_PLAIN.items():
+        plain_re, gate = re.compile(plain), _PRESIDIO_GATES[entity]
+        opened = [t for t in texts if plain_re.search(t)]
+        assert 50 < len(opened) < len(texts), entity  # both outcomes occur: the comparison means something
+        differ = [t for t in texts if (plain_re.search(t) is None) != (gate.search(t) is None)]
+        assert not differ, (entity, differ[:5])
+
+
+def test_key_value_secrets_are_tried_where_a_key_word_can_start_and_found_as_before() -> None:
+    """`kv_matches` tries `_KV_SECRET` only near a key word's root; on generated key-value text it
+    yields exactly `finditer`'s matches (spans and groups), non-ASCII text included."""
+    import random
+
+    from proxy.governance.secrets import _KV_LEAD, _KV_ROOTS, _KV_SECRET, kv_matches
+
+    words = ["password", "passwd", "passphrase", "pwd", "pass", "secret", "token", "apikey", "credential",
+             "credentials", "api_key", "api-key", "access_key", "accesskey", "secret_key", "private-key",
+             "client_secret", "clientsecret", "auth_token", "session_key", "signing_key", "encryption_key",
+             "encryptionkey", "master-key", "PASSWORD", "ApiKey", "Db_Password", "max_tokens", "bypass", "keys"]
+    # Every key word the pattern admits holds a root no further in than _KV_LEAD.
+    assert all(min(w.lower().find(r) for r in _KV_ROOTS if r in w.lower()) <= _KV_LEAD
+               for w in words if _KV_SECRET.match(w + "=abcdefgh"))
+    rng = random.Random(11)
+    seps = ["=", ": ", " = ", "\":\"", "' => '", ":=", " :", "=\"", "\t=\t", " "]
+    values = ["hunter2hunter2", "\"s3cr3t-value!\"", "'ab cd ef gh'", "x", "Zq8#kLm2$vN5", "${VAR}", "abc.", "ſecret"]
+    fillers = ["", " ", "\n", "{\"", "DB_", "my", "X", "é", ", ", "ſ", "(", "Ka"]
+    texts = []
+    for _ in range(20_000):
+        parts = [rng.choice(fillers) + rng.choice(words) + rng.choice(seps) + rng.choice(values)
+                 for _ in range(rng.randint(1, 4))]
+        texts.append(rng.choice(fillers).join(parts))
+    found = 0
+    for t in texts:
+        plain = [(m.span(), m.groupdict()) for m in _KV_SECRET.finditer(t)]
+        fast = [(m.span(), m.groupdict()) for m in kv_matches(t, t.lower())]
+        assert fast == plain, t
+        found += len(plain)
+    assert found > 10_000
