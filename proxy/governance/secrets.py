@@ -446,10 +446,12 @@ _PRESIDIO_GATES: dict[str, re.Pattern[str]] = {
     "EMAIL_ADDRESS": _c(r"@(?<=\w@)\w"),
     "CREDIT_CARD": _c(r"\d(?<!\w\d)\d{3}[ -]?\d{3,4}[ -]?\d{3,4}[ -]?\d{3,5}\b"),
     "IP_ADDRESS": _c(r"\.(?<=\d\.)\d{1,3}\.\d{1,3}\.\d|::|:(?<=[0-9A-Fa-f]:)(?:[0-9A-Fa-f]{1,4}:){3}"),
-    "IBAN_CODE": _c(r"\d(?<=[A-Z]{2}\d)\d[ ]?[A-Z0-9]{4}"),
+    "IBAN_CODE": _c(r"[A-Z]{2}\d{2}[ ]?[A-Z0-9]{4}"),  # capitals: rarer than digits in agent text
     "US_SSN": _c(r"\d(?<!\w\d)\d{2}[- .]?\d{2}[- .]?\d{4}\b"),
     "US_ITIN": _c(r"9(?<!\w9)\d{2}[- ]?[5-9]\d[- ]?\d{4}\b"),
-    "CRYPTO": _c(r"(?:bc1|[13])[a-zA-HJ-NP-Z0-9]{25}"),
+    # Presidio's match starting 1 or 3 is valid only when all of it is base58 (its checksum decoder
+    # refuses 0, O, I, l): a hex id (`1f0a...`) seldom has 25 such characters in a row.
+    "CRYPTO": _c(r"bc1[a-zA-HJ-NP-Z0-9]{25}|[13][1-9A-HJ-NP-Za-km-z]{25}"),
     "MAC_ADDRESS": _c(r"[:-](?<=[0-9A-Fa-f]{2}[:-])[0-9A-Fa-f]{2}[:-][0-9A-Fa-f]{2}|\.(?<=[0-9A-Fa-f]{4}\.)[0-9A-Fa-f]{4}\."),
     "URL": _c(r"\.(?<=[A-Za-z0-9]\.)[A-Za-z]{2}"),
     "UUID": _c(r"-(?<=[0-9a-fA-F]{8}-)[0-9a-fA-F]{4}-"),
