@@ -228,6 +228,10 @@ ON CONFLICT ON CONSTRAINT uq_sessions_tenant_external DO UPDATE SET
    task_id = coalesce(sessions.task_id, excluded.task_id),
    client = coalesce(sessions.client, excluded.client)
 RETURNING id, tenant_id, external_id"""
+STORED_STEPS = ("SELECT id FROM steps WHERE session_id = ANY(CAST(:sids AS text[])) "
+                "AND id = ANY(CAST(:ids AS text[]))")
+LAST_SEQ = ("SELECT session_id, max(seq) FROM steps WHERE session_id = ANY(CAST(:sids AS text[])) "
+            "GROUP BY session_id")
 STEP_COLUMNS = (
     "id", "session_id", "tenant_id", "seq", "parent_step_id", "api", "status", "error", "upstream", "model",
     "model_version", "system_hash", "tools_hash", "history_len", "message_hashes", "transcript_hash", "params",
@@ -301,21 +305,20 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     cols = list(zip(*rows, strict=True))
     params = dict(zip(("id", "tenant", "ext", "client", "info", "task", "labels", "started", "last", "replay_of"),
                       map(list, cols), strict=True))
+    # The upsert locks every row it returns (inserted, or updated on conflict) until commit: a
+    # concurrent writer's batch of the same session waits here, so seq numbers cannot collide.
     sid_of = {(tenant, ext): sid for sid, tenant, ext in s.execute(text(SESSION_UPSERT), params)}
     sids = sorted(sid_of.values())
-    s.execute(select(t.Session.id).where(t.Session.id.in_(sids)).order_by(t.Session.id).with_for_update())
+    # One array parameter each, not a rendered IN list of the batch's sessions (a bind per session).
+    sid_array = text_array(sids)
     # Steps already stored (a re-sent batch): asked by session too, so only those sessions' partitions
     # are searched (by step id alone, every partition's key index would be).
-    existing = set(s.scalars(select(t.Step.id).where(t.Step.session_id.in_(sids),
-                                                     t.Step.id.in_([r.id for r in kept]))))
+    existing = set(s.scalars(text(STORED_STEPS), {"sids": sid_array, "ids": text_array([r.id for r in kept])}))
     fresh = [r for r in kept if r.id not in existing]
     if not fresh:
         return 0
     next_seq = dict.fromkeys(sids, 0)
-    next_seq.update(
-        s.execute(select(t.Step.session_id, func.max(t.Step.seq)).where(t.Step.session_id.in_(sids))
-                  .group_by(t.Step.session_id)).all()
-    )
+    next_seq.update(s.execute(text(LAST_SEQ), {"sids": sid_array}).all())
 
     step_rows, call_rows, links = [], {}, {}
     for r in fresh:

@@ -188,3 +188,42 @@ def test_the_writer_plans_each_batch_for_its_sessions(db_url, tenant):
     finally:
         writer.dispose()
         other.dispose()
+
+
+def test_two_writers_on_the_same_sessions_number_every_step_once(db_url, tenant):
+    """Two writer connections write batches of the same sessions at once (proxies behind a load
+    balancer, one session's calls on both): the sessions upsert holds each session's row until
+    commit, so each batch numbers its steps after the other's and no seq repeats."""
+    import threading
+
+    engines = [db.make_engine(db_url, pool_size=1, max_overflow=0, custom_plans=True) for _ in range(2)]
+    sessions = [f"race-{j}" for j in range(4)]
+    start, errors = threading.Barrier(2), []
+
+    def writer(engine) -> None:
+        factory = db.session_factory(engine)
+        start.wait()
+        try:
+            for k in range(15):
+                batch = [_step(tenant, ext, datetime.now(UTC)) for ext in (sessions if k % 2 else sessions[::-1])]
+                with db.transaction(factory) as s:
+                    write_steps(s, batch, new_id)
+        except Exception as e:  # a repeated seq: the unique (session_id, seq) refuses the batch
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(e,)) for e in engines]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    finally:
+        for e in engines:
+            e.dispose()
+    assert not errors, errors[:1]
+    with db.session_factory(db.make_engine(db_url, pool_size=1))() as s:
+        rows = s.execute(text("SELECT se.external_id, array_agg(st.seq ORDER BY st.seq) FROM steps st "
+                              "JOIN sessions se ON se.id = st.session_id WHERE st.tenant_id = :t "
+                              "GROUP BY se.external_id"), {"t": tenant}).all()
+    assert sorted(ext for ext, _ in rows) == sessions
+    assert all(seqs == list(range(1, 31)) for _, seqs in rows), rows
