@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from sqlalchemy import func, or_, select, text
+from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -164,6 +164,13 @@ def _aware(when: datetime) -> datetime:
     return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
 
+TOMBSTONES = """
+SELECT tenant_id, external_id, max(forgotten_at) FROM tombstones
+ WHERE tenant_id = ANY(CAST(:tenants AS text[]))
+   AND (external_id IS NULL OR external_id = ANY(CAST(:names AS text[])))
+ GROUP BY tenant_id, external_id"""
+
+
 def not_forgotten(s: Session, records: list[StepRecord]) -> list[StepRecord]:
     """`records` less the steps of forgotten sessions (or tenants) that started before the forget:
     a step spooled, queued or re-sent by the writer while its session was forgotten never comes back.
@@ -172,12 +179,7 @@ def not_forgotten(s: Session, records: list[StepRecord]) -> list[StepRecord]:
         return records
     tenants = sorted({r.session.tenant_id for r in records})
     names = sorted({r.session.external_id for r in records})
-    rows = s.execute(
-        select(t.Tombstone.tenant_id, t.Tombstone.external_id, func.max(t.Tombstone.forgotten_at))
-        .where(t.Tombstone.tenant_id.in_(tenants),
-               or_(t.Tombstone.external_id.is_(None), t.Tombstone.external_id.in_(names)))
-        .group_by(t.Tombstone.tenant_id, t.Tombstone.external_id)
-    ).all()
+    rows = s.execute(text(TOMBSTONES), {"tenants": text_array(tenants), "names": text_array(names)}).all()
     if not rows:
         return records
     forgotten = {(tenant, ext): at for tenant, ext, at in rows}
