@@ -206,6 +206,8 @@ SELECT tenant, hash, kind, CAST(body AS jsonb), size, CAST(redaction AS jsonb)
        WITH ORDINALITY AS v(tenant, hash, kind, body, size, redaction, n)
  ORDER BY n
 ON CONFLICT DO NOTHING"""
+# Bodies per contents statement: an array literal is one value, and PostgreSQL refuses any over 1 GB.
+CONTENT_CHUNK_CHARS = 16 * 2**20
 CALL_COLUMNS = ("step_id", "call_id", "session_id", "tenant_id", "name", "arguments")
 LINK_UPDATE = """
 UPDATE tool_calls tc SET result_step_id = v.step_id, result_hash = v.hash, is_error = v.err
@@ -281,11 +283,17 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
                     body = escape(body)
                 rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, json_text(body), c.size,
                                                        json_text(c.redaction))
-    if rows:
-        cols = list(zip(*(rows[k] for k in sorted(rows)), strict=True))
+    ordered = [rows[k] for k in sorted(rows)]
+    while ordered:  # a statement per CONTENT_CHUNK_CHARS of bodies (a batch may hold 256 x 32 MB requests)
+        n, chars = 1, len(ordered[0][3])
+        while n < len(ordered) and chars + len(ordered[n][3]) <= CONTENT_CHUNK_CHARS:
+            chars += len(ordered[n][3])
+            n += 1
+        cols = list(zip(*ordered[:n], strict=True))
         s.execute(text(CONTENT_INSERT), {
             "tenant": text_array(cols[0]), "hash": text_array(cols[1]), "kind": text_array(cols[2]),
             "body": text_array(cols[3]), "size": int_array(cols[4]), "redaction": text_array(cols[5])})
+        ordered = ordered[n:]
 
     kept = not_forgotten(s, records)
     if not kept:

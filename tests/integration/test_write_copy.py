@@ -227,3 +227,33 @@ def test_two_writers_on_the_same_sessions_number_every_step_once(db_url, tenant)
                               "GROUP BY se.external_id"), {"t": tenant}).all()
     assert sorted(ext for ext, _ in rows) == sessions
     assert all(seqs == list(range(1, 31)) for _, seqs in rows), rows
+
+
+def test_contents_go_in_statements_of_bounded_size(factory, tenant, monkeypatch):
+    """A batch's contents are split into statements of about CONTENT_CHUNK_CHARS of bodies (an array
+    literal is one value, which PostgreSQL caps at 1 GB); every content arrives, a larger one alone."""
+    from sqlalchemy import event
+
+    from proxy.store import write
+
+    monkeypatch.setattr(write, "CONTENT_CHUNK_CHARS", 100)
+    bodies = {f"h-chunk-{i}": {"text": "x" * (30 if i != 3 else 500)} for i in range(7)}
+    step = _step(tenant, "chunks", datetime.now(UTC),
+                 contents=[ContentRow(hash=h, kind="message", body=b, size=1) for h, b in bodies.items()])
+    statements = []
+    engine = factory.kw["bind"]
+
+    def count(conn, cursor, statement, *_args) -> None:
+        if statement.lstrip().startswith("INSERT INTO contents"):
+            statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        with db.transaction(factory) as s:
+            assert write_steps(s, [step], new_id) == 1
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    with factory() as s:
+        stored = {h: s.get(t.Content, (tenant, h)).body for h in bodies}
+    assert stored == bodies
+    assert len(statements) == 5  # 41-character bodies two at a time: [0, 1], [2], [3] (alone, over it), [4, 5], [6]
