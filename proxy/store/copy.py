@@ -18,19 +18,15 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 
-def _dumps(value: Any) -> str:
+def json_text(value: Any) -> str:
+    """JSON text, for a `CAST(... AS jsonb)` or a `jsonb` parameter; None is JSON null."""
     # orjson writes NaN and infinity as null (JSONB has neither), as the old path's pg_safe did.
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def json_text(value: Any) -> str:
-    """JSON text for a `CAST(... AS jsonb)` (None is JSON null, as `jsonb` writes it)."""
-    return _dumps(value)
-
-
 def jsonb(value: Any) -> Jsonb:
     """A JSONB parameter; None is JSON null, as SQLAlchemy's JSONB stores it (`contents.body` is NOT NULL)."""
-    return Jsonb(value, dumps=_dumps)
+    return Jsonb(value, dumps=json_text)
 
 
 def int_array(values: Iterable[int] | None) -> str | None:

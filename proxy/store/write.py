@@ -284,16 +284,17 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
                 rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, json_text(body), c.size,
                                                        json_text(c.redaction))
     ordered = [rows[k] for k in sorted(rows)]
-    while ordered:  # a statement per CONTENT_CHUNK_CHARS of bodies (a batch may hold 256 x 32 MB requests)
-        n, chars = 1, len(ordered[0][3])
-        while n < len(ordered) and chars + len(ordered[n][3]) <= CONTENT_CHUNK_CHARS:
-            chars += len(ordered[n][3])
-            n += 1
-        cols = list(zip(*ordered[:n], strict=True))
+    start = 0
+    while start < len(ordered):  # a statement per CONTENT_CHUNK_CHARS of bodies (256 requests of 32 MB fit a batch)
+        end, chars = start + 1, len(ordered[start][3])
+        while end < len(ordered) and chars + len(ordered[end][3]) <= CONTENT_CHUNK_CHARS:
+            chars += len(ordered[end][3])
+            end += 1
+        cols = list(zip(*ordered[start:end], strict=True))
         s.execute(text(CONTENT_INSERT), {
             "tenant": text_array(cols[0]), "hash": text_array(cols[1]), "kind": text_array(cols[2]),
             "body": text_array(cols[3]), "size": int_array(cols[4]), "redaction": text_array(cols[5])})
-        ordered = ordered[n:]
+        start = end
 
     kept = not_forgotten(s, records)
     if not kept:

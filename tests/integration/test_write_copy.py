@@ -221,10 +221,14 @@ def test_two_writers_on_the_same_sessions_number_every_step_once(db_url, tenant)
         for e in engines:
             e.dispose()
     assert not errors, errors[:1]
-    with db.session_factory(db.make_engine(db_url, pool_size=1))() as s:
-        rows = s.execute(text("SELECT se.external_id, array_agg(st.seq ORDER BY st.seq) FROM steps st "
-                              "JOIN sessions se ON se.id = st.session_id WHERE st.tenant_id = :t "
-                              "GROUP BY se.external_id"), {"t": tenant}).all()
+    reader = db.make_engine(db_url, pool_size=1)
+    try:
+        with reader.connect() as c:
+            rows = c.execute(text("SELECT se.external_id, array_agg(st.seq ORDER BY st.seq) FROM steps st "
+                                  "JOIN sessions se ON se.id = st.session_id WHERE st.tenant_id = :t "
+                                  "GROUP BY se.external_id"), {"t": tenant}).all()
+    finally:
+        reader.dispose()
     assert sorted(ext for ext, _ in rows) == sessions
     assert all(seqs == list(range(1, 31)) for _, seqs in rows), rows
 

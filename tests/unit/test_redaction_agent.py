@@ -203,9 +203,9 @@ GATES_PLAIN = {
 
 
 def _gate_texts(n: int, seed: int) -> list[str]:
-    """Short texts drawn from the characters the gates turn on (digits, hex letters, capitals, the
-    separators, `@`, word characters that are not ASCII, a digit that is not ASCII), plus the seeded
-    PII values with a character glued on either side."""
+    """Short texts: random strings of the characters the gates turn on (digits, hex letters, capitals,
+    the separators, `@`, a letter and a digit that are not ASCII), runs of one kind of character, the
+    gates' own shapes with a character changed, and the seeded PII values, each with glue on either side."""
     import random
 
     rng = random.Random(seed)
