@@ -12,17 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
 
-from atdp_schema.models import StepStatus
 from proxy import providers, telemetry
 from proxy.auth import Principal
 from proxy.errors import ApiError
@@ -44,8 +41,6 @@ from proxy.store.ids import new_id
 from proxy.store.links import LinkRow
 from proxy.tito import NoScaleOut, TitoResponse, TitoStream, TitoUnavailable, answer, open_stream
 from proxy.translate import TranslationError
-from proxy.translate.chunks import Chunk, read_chunk
-from proxy.translate.sse import iter_sse
 from proxy.upstream import (
     Lease,
     NoReplicaAvailable,
@@ -366,15 +361,10 @@ def error_summary(error: dict[str, Any] | None) -> str | None:
     return f"{error.get('type') or 'error'}" + (f" (HTTP {status})" if status else "")
 
 
-# --- reading the upstream answer (every door), relaying a translated stream (messages, responses) ---
+# --- reading the upstream answer (every door; streams are relayed by proxy.streams) ---
 
 # What the proxy adds to every upstream request, for capture (the translators never ask for them).
 CAPTURE_FIELDS = {"return_token_ids": True, "logprobs": True}
-
-
-class Translator(Protocol):
-    def feed_part(self, part: Chunk) -> list[bytes]: ...
-    def finish(self) -> list[bytes]: ...
 
 
 def translation_error(e: TranslationError) -> ApiError:
@@ -425,68 +415,3 @@ async def read_completion(call: Call, resp: Answer) -> dict[str, Any]:
     call.mark_token()
     call.capture.feed_response(parsed)
     return parsed
-
-
-async def relay(call: Call, resp: Answer, translator: Translator, fail: Callable[[str], list[bytes]],
-                done: Callable[[str, dict[str, Any] | None], None]) -> AsyncIterator[bytes]:
-    """vLLM's chat chunks -> capture (raw) and translator (client events); `done(status, error)` once.
-
-    `done` runs however the stream ends: completed ("ok"), upstream error ("error"), or the client
-    leaving mid-stream ("aborted", the generator is closed at its pending `yield`).
-    """
-    status, error = StepStatus.aborted, {"type": "client_disconnected", "message": "the client went away mid-stream"}
-    try:
-        async for payload in iter_sse(resp.aiter_raw()):
-            if payload == b"[DONE]":
-                continue
-            part = read_chunk(orjson.loads(payload))  # read once: capture and translator share it
-            if part.error is not None:  # vLLM's mid-stream failure
-                status, error = StepStatus.error, {"type": "upstream_error", "message": part.error}
-                yield b"".join(translator.feed_part(part))  # the translator answers with its error event
-                break
-            call.capture.feed(part)
-            if call.ttft_s is None and call.capture.has_output:
-                call.mark_token()
-            events = translator.feed_part(part)
-            if events:
-                yield b"".join(events)
-        else:
-            status, error = "ok", None
-            last = b"".join(translator.finish())  # completes the translator's output first
-            done(status, error)  # records the call and publishes its keys ...
-            await settle(call)  # ... which are in the database before the client's last event
-            yield last
-    except UpstreamError as e:
-        status, error = "error", {"type": "upstream_error", "message": e.message}
-        yield b"".join(fail(e.message))
-    finally:
-        try:
-            if not call.finished:
-                done(status, error)
-        finally:
-            await close_upstream(call, resp)
-
-
-class GuardedStream(StreamingResponse):
-    """An SSE response that records its call and frees its replica however the stream ends.
-
-    If the client leaves before the body iterator even starts, the generator's own `finally`
-    never runs; this wrapper still records the step (aborted) and releases the upstream.
-    """
-
-    def __init__(self, call: Call, resp: Answer, body, headers: dict[str, str] | None = None) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={**call.response_headers(), "cache-control": "no-cache", **(headers or {})})
-        self._call, self._resp = call, resp
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self._call.finished:
-                finish(self._call, status=StepStatus.aborted,
-                       error={"type": "client_disconnected", "message": "the client went away before the stream"},
-                       native_output=self._call.capture.assistant_message())
-            await close_upstream(self._call, self._resp)
-
-

@@ -22,6 +22,7 @@ from proxy.http import CallBegin, Route, check_body, door, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
 from proxy.shapes import ChatCompletionRequest
 from proxy.state import AppState
+from proxy.streams import GuardedStream, Last
 from proxy.translate.sse import encode_data, iter_sse_batches
 from proxy.upstream import UpstreamError, upstream_error
 
@@ -123,7 +124,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
         return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"),
                         headers=call.response_headers())
     if body.get("stream"):
-        return calls.GuardedStream(call, resp, _stream(call, resp, shaper))
+        return GuardedStream(call, resp, _stream(call, resp, shaper))
     parsed = await calls.read_completion(call, resp)
     msg = ((parsed.get("choices") or [{}])[0]).get("message")
     calls.finish(call, status="ok", native_output=msg)
@@ -161,7 +162,7 @@ async def _stream(call: Call, resp: Answer, shaper: ChatShaper) -> AsyncIterator
         # stream, so its next call finds them whichever proxy it reaches.
         calls.finish(call, status=status, error=error, native_output=capture.assistant_message(), upstream=upstream_url)
         await calls.settle(call)
-        yield b"data: [DONE]\n\n"
+        yield Last(b"data: [DONE]\n\n")
     except UpstreamError as e:
         status, error = "error", {"type": "upstream_error", "message": e.message}
         yield encode_data(error_body("openai", 502, e.message, type="upstream_error"))

@@ -20,12 +20,13 @@ from starlette.responses import Response
 
 from proxy import call as calls
 from proxy import providers
-from proxy.call import Call, open_translated, read_completion, relay, translation_error
+from proxy.call import Call, open_translated, read_completion, translation_error
 from proxy.errors import ApiError
 from proxy.http import CallBegin, Handler, Route, check_body, door, json_response, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
 from proxy.shapes import CountTokensRequest, MessagesRequest
 from proxy.state import AppState
+from proxy.streams import GuardedStream, relay
 from proxy.translate import TranslationError
 from proxy.translate.anthropic import count_tokens_chat_body, messages_to_chat
 from proxy.translate.anthropic_stream import MessagesStream, chat_to_message
@@ -78,7 +79,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
                          tool_names=req.tool_names, upstream=upstream_url)
 
         body_iter = relay(call, resp, stream, lambda msg: stream.error("api_error", msg), done)
-        return calls.GuardedStream(call, resp, body_iter)
+        return GuardedStream(call, resp, body_iter)
     upstream_url = call.upstream_url
     parsed = await read_completion(call, resp)
     message = chat_to_message(parsed, model=model, message_id=mid, tool_names=req.tool_names)

@@ -19,13 +19,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy import call as calls
-from proxy.call import Call, open_translated, read_completion, relay, translation_error
+from proxy.call import Call, open_translated, read_completion, translation_error
 from proxy.doors.response_store import ResponseStore, Stored
 from proxy.errors import ApiError
 from proxy.http import CallBegin, Handler, Route, check_body, door, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
 from proxy.shapes import ResponsesRequest
 from proxy.state import AppState
+from proxy.streams import GuardedStream, relay
 from proxy.translate import TranslationError
 from proxy.translate.responses import responses_to_chat
 from proxy.translate.responses_stream import ResponsesStream, chat_to_response
@@ -103,7 +104,7 @@ def handler(state: AppState, store: ResponseStore) -> Handler:
             stream = ResponsesStream(model=model, response_id=rid, request=body, tool_names=req.tool_names)
             body_iter = relay(call, resp, stream, stream.error,
                               lambda status, error: record(status, error, stream.output_items))
-            return calls.GuardedStream(call, resp, body_iter, headers=extra_headers)
+            return GuardedStream(call, resp, body_iter, headers=extra_headers)
         parsed = await read_completion(call, resp)
         response = chat_to_response(parsed, model=model, response_id=rid, request=body, tool_names=req.tool_names)
         record("ok", None, response["output"])

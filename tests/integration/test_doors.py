@@ -140,6 +140,27 @@ def test_client_disconnect_mid_stream_is_an_aborted_step(start_proxy, fake_upstr
 
 
 @pytest.mark.parametrize("door", DOORS, ids=[d.name for d in DOORS])
+def test_a_client_leaving_while_the_engine_is_silent_ends_the_call_at_once(start_proxy, fake_upstream, factory,
+                                                                          door):
+    """The proxy notices the client leaving while it waits on the engine, not at the engine's next
+    chunk: the step is aborted and the replica freed long before the engine would have spoken again."""
+    fake_upstream.chunk_size = 10_000  # the whole answer in one chunk, then the engine pauses
+    fake_upstream.chunk_delay = 4.0
+    proxy = start_proxy([fake_upstream.url])
+    with httpx.stream("POST", proxy.v1 + door.path, json=door.body("#say " + ANSWER, stream=True)) as r:
+        next(r.iter_bytes())
+    left = time.monotonic()
+    steps: list[Any] = []
+    while time.monotonic() < left + 3 and not steps:
+        steps = proxy.steps(factory)
+        time.sleep(0.05)
+    (step,) = steps
+    assert time.monotonic() - left < 3 < fake_upstream.chunk_delay
+    assert step.status == "aborted" and step.error["type"] == "client_disconnected"
+    assert proxy.state.pool.replicas[0].inflight == 0
+
+
+@pytest.mark.parametrize("door", DOORS, ids=[d.name for d in DOORS])
 def test_upstream_down_is_502_in_the_doors_shape_and_a_failed_step(start_proxy, factory, door):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
