@@ -125,7 +125,11 @@ class WriterProcess:
                 self._pending.append(held)
                 self._held += 1
                 self._held_bytes += held.size
-                self._cond.notify_all()
+                # Wake the sender only when it has something new to do: a first item (it sleeps until
+                # one comes) or a full batch (send now, not at the deadline). In between it is waiting
+                # for the batch's deadline anyway; a wake per call cost a thread switch per call.
+                if len(self._pending) == 1 or len(self._pending) >= self.settings.batch_size:
+                    self._cond.notify_all()
                 return
             self._spilling += 1
         self._overflow.submit(self._spill, [held])

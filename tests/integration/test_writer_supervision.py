@@ -279,6 +279,22 @@ def test_a_lagging_writer_is_reported(start_proxy, fake_upstream, mode):
     assert h.status_code == 200 and h.json()["writer"]["held"] == 0
 
 
+def test_a_full_batch_goes_to_the_writer_at_once_and_a_partial_one_when_its_window_ends(start_proxy, fake_upstream):
+    """The proxy wakes its sender thread for a batch's first item and when the batch is full, not
+    for every call in between: four calls (a full batch) are written long before their 5 s window
+    ends; a lone call waits for it."""
+    proxy = start_proxy([fake_upstream.url], writer_mode="process", flush_interval_s=5.0, batch_size=4)
+    for i in range(4):
+        assert _chat(proxy.url, f"one of a full batch {i}").status_code == 200
+    t0 = time.monotonic()
+    assert proxy.state.recorder.flush(10)
+    assert time.monotonic() - t0 < 2.5
+    assert _chat(proxy.url, "a batch of one").status_code == 200
+    t0 = time.monotonic()
+    assert proxy.state.recorder.flush(20)
+    assert 3.0 < time.monotonic() - t0 < 10
+
+
 def _small_files() -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death (ignored survives exec)
     resource.setrlimit(resource.RLIMIT_FSIZE, (256, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
