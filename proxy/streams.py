@@ -79,8 +79,8 @@ class GuardedStream(StreamingResponse):
     ASGI spec 2.3, for which starlette runs every stream in an anyio task group, a large part of a
     streamed call's framework cost (docs/scale.md). A watcher task waits for the client's disconnect
     and cancels the streaming task, so a client that leaves while the engine is silent still stops
-    the upstream at once. If the client leaves before the body iterator even starts, the generator's own `finally`
-    never runs; the one here still records the step (aborted) and releases the upstream.
+    the upstream at once. If the client leaves before the body iterator even starts, the generator's
+    own `finally` never runs; the one here still records the step (aborted) and releases the upstream.
     """
 
     def __init__(self, call: Call, resp: Answer, body: AsyncIterator[bytes], headers: dict[str, str] | None = None
@@ -114,6 +114,8 @@ class GuardedStream(StreamingResponse):
                 if ended:  # the response is complete: what the generator does after it (freeing the
                     watcher.cancel()  # upstream) is not a client leaving, and is not cancelled
                 elif left:  # gone, and the cancel was lost (3.11's wait_for can swallow one): stop here
+                    if task.cancelling():
+                        task.uncancel()  # the request it counts is answered here
                     break
             if not ended and not left:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
