@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=$(scripts/bootstrap.sh)
-scripts/browser.sh  # Debian's chromium for the console's browser test (installed when missing)
+scripts/system_packages.sh  # Debian's chromium and haproxy for the browser and load balancer tests
 ATDP_VLLM_PYTHON=$(scripts/vllm_env.sh)
 export ATDP_VLLM_PYTHON
 "$(dirname "$python")/ruff" check .

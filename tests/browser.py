@@ -1,5 +1,5 @@
 """Debian's chromium driven by Playwright (no browser download): for the console's browser test and
-the console benchmarks. `scripts/browser.sh` installs chromium where it is missing; when it is still
+the console benchmarks. `scripts/system_packages.sh` installs chromium where it is missing; when it is still
 missing the caller fails loudly (a console test that skips would pass CI without a browser)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class BrowserMissing(RuntimeError):
 def chromium() -> Iterator:
     """A Playwright `Browser` on the system chromium."""
     if not Path(CHROMIUM).exists():
-        raise BrowserMissing(f"{CHROMIUM} not found: run scripts/browser.sh (apt-get install chromium)")
+        raise BrowserMissing(f"{CHROMIUM} not found: run scripts/system_packages.sh (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
