@@ -1,4 +1,4 @@
-"""The FastAPI application: state, the route table, errors, lifecycle."""
+"""The Starlette application: state, the route table, errors, lifecycle."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import orjson
-from fastapi import FastAPI
 from sqlalchemy import select
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.routing import Route as StarletteRoute
+from starlette.types import ASGIApp, ExceptionHandler, Message, Receive, Scope, Send
 
 from proxy import logs, memtrace, openapi, providers, telemetry
 from proxy.config import Settings
@@ -71,7 +73,7 @@ async def _warm_up_providers() -> None:
     gc.freeze()  # LiteLLM's modules live for the process too: keep them out of later collections
 
 
-def create_app(settings: Settings, *, redactor: TextRedactor | None = None, connect_db: bool = True) -> FastAPI:
+def create_app(settings: Settings, *, redactor: TextRedactor | None = None, connect_db: bool = True) -> Starlette:
     logs.install()  # no credentials in HTTP clients' log lines, however the process set up logging
     policies = Policies.from_settings(settings)
     recorder: Recorder | WriterProcess
@@ -100,7 +102,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
     swaps = Versions(state)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.client = make_client(settings.upstream_timeout_s)
         state.http = make_session(settings.upstream_timeout_s)
         recorder.start()
@@ -147,31 +149,35 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             if state.engine is not None:
                 state.engine.dispose()
 
-    app = FastAPI(title="atdp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # Plain Starlette: FastAPI's per-request layers (its exit stack, body limit, native telemetry's
+    # checks of the environment) cost every call CPU for features the proxy does not use; the
+    # proxy's routes are plain endpoints, its OpenAPI document is written out (proxy.openapi).
+    app = Starlette(
+        routes=[StarletteRoute(r.path, r.endpoint, methods=list(r.methods)) for r in route_table(state, store, swaps)],
+        middleware=[Middleware(CatchAll)], exception_handlers=_error_handlers(), lifespan=lifespan,
+    )
     app.state.atdp = state
     app.state.response_store = store
     app.state.versions = swaps
-    _install_errors(app)
-    # Plain Starlette routes: model traffic skips FastAPI's per-request dependency machinery.
-    for route in route_table(state, store, swaps):
-        app.router.add_route(route.path, route.endpoint, methods=list(route.methods))
     return app
 
 
-def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> Response:
-        return error_response(flavor_for_path(request.url.path), exc.status, exc.message, type=exc.type,
-                              code=exc.code, headers=exc.headers, param=exc.param)
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(flavor_for_path(request.url.path), exc.status, exc.message, type=exc.type,
+                          code=exc.code, headers=exc.headers, param=exc.param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        # The method, not the path: a path may carry an id the caller made up.
-        message = "route not found" if exc.status_code == 404 else str(exc.detail)
-        return error_response(flavor_for_path(request.url.path), exc.status_code, f"{message} ({request.method})",
-                              headers=exc.headers)
 
-    app.add_middleware(CatchAll)
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    # The method, not the path: a path may carry an id the caller made up.
+    message = "route not found" if exc.status_code == 404 else str(exc.detail)
+    return error_response(flavor_for_path(request.url.path), exc.status_code, f"{message} ({request.method})",
+                          headers=exc.headers)
+
+
+def _error_handlers() -> dict[type[Exception], ExceptionHandler]:
+    return {ApiError: _api_error, StarletteHTTPException: _http_error}
 
 
 class CatchAll:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ from proxy.errors import ApiError
 from proxy.record.capture import SessionRef
 from proxy.shapes import id_problem, session_id_problem
 from proxy.store.content import chain_hash
-from proxy.store.ids import new_id
+from proxy.store.ids import new_id, uuid_bytes, uuid_text
 from proxy.store.links import LinkRow
 
 
@@ -200,12 +199,9 @@ def _pack(when: float, link: StepLink | None) -> bytes:
     head = _WHEN.pack(when)
     if link is None:
         return head
-    try:
-        step, session = uuid.UUID(link.step_id), uuid.UUID(link.session_id)
-        if str(step) == link.step_id and str(session) == link.session_id:
-            return head + b"\x01" + step.bytes + session.bytes
-    except ValueError:
-        pass
+    step, session = uuid_bytes(link.step_id), uuid_bytes(link.session_id)
+    if step is not None and session is not None:
+        return head + b"\x01" + step + session
     # Step ids are ours (no NUL); the session id is whatever follows the first NUL.
     return head + b"\x00" + link.step_id.encode() + b"\x00" + link.session_id.encode()
 
@@ -216,7 +212,8 @@ def _unpack(v: bytes) -> tuple[float, StepLink | None]:
         return when, None
     if v[_WHEN.size] == 1:
         o = _WHEN.size + 1
-        return when, StepLink(str(uuid.UUID(bytes=v[o : o + 16])), str(uuid.UUID(bytes=v[o + 16 : o + 32])))
+        return when, StepLink(uuid_text(int.from_bytes(v[o : o + 16], "big")),
+                              uuid_text(int.from_bytes(v[o + 16 : o + 32], "big")))
     step, _, session = v[_WHEN.size + 1 :].partition(b"\x00")
     return when, StepLink(step.decode(), session.decode())
 

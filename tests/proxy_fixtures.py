@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI
 from sqlalchemy import select
+from starlette.applications import Starlette
 
 from proxy.app import create_app
 from proxy.config import Settings
@@ -32,7 +32,7 @@ class RunningProxy:
     response_store: ResponseStore
 
     @classmethod
-    def of(cls, app: FastAPI, server: ServerThread, tenant: str) -> RunningProxy:
+    def of(cls, app: Starlette, server: ServerThread, tenant: str) -> RunningProxy:
         return cls(url=server.url, state=app.state.atdp, server=server, tenant=tenant, versions=app.state.versions,
                    response_store=app.state.response_store)
 
