@@ -9,6 +9,7 @@ sent together with the end of the response.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -36,9 +37,12 @@ async def relay(call: Call, resp: Answer, translator: Translator, fail: Callable
     """
     status, error = StepStatus.aborted, {"type": "client_disconnected", "message": "the client went away mid-stream"}
     try:
-        async for payload in iter_sse(resp.aiter_raw()):
-            if payload == b"[DONE]":
-                continue
+        payloads = iter_sse(resp.aiter_raw())
+        complete = False
+        async for payload in payloads:
+            if payload == b"[DONE]":  # the engine's answer is complete: end the client's stream now
+                complete = True
+                break
             part = read_chunk(orjson.loads(payload))  # read once: capture and translator share it
             if part.error is not None:  # vLLM's mid-stream failure
                 status, error = StepStatus.error, {"type": "upstream_error", "message": part.error}
@@ -51,11 +55,14 @@ async def relay(call: Call, resp: Answer, translator: Translator, fail: Callable
             if events:
                 yield b"".join(events)
         else:
+            complete = True  # an engine that ended without its [DONE]
+        if complete:
             status, error = "ok", None
             last = b"".join(translator.finish())  # completes the translator's output first
             done(status, error)  # records the call and publishes its keys ...
             await settle(call)  # ... which are in the database before the client's last event
             yield Last(last)
+            await close_engine_part(call, payloads)
     except UpstreamError as e:
         status, error = "error", {"type": "upstream_error", "message": e.message}
         yield b"".join(fail(e.message))
@@ -65,6 +72,22 @@ async def relay(call: Call, resp: Answer, translator: Translator, fail: Callable
                 done(status, error)
         finally:
             await close_upstream(call, resp)
+
+
+# How long the engine may take, after its `[DONE]`, to end its response (the chunked body's last bytes,
+# normally right behind it). Read in that time, the connection goes back to the pool for the next
+# call; otherwise it is closed.
+END_WAIT_S = 2.0
+
+
+async def close_engine_part(call: Call, rest: AsyncIterator[Any]) -> None:
+    """After the engine's `[DONE]` (the client has its whole answer): free the replica's slot, since
+    the engine's work is done, then read the rest of its response, bounded, so the connection is kept."""
+    await close_upstream(call, None)
+    with contextlib.suppress(TimeoutError, UpstreamError):
+        async with asyncio.timeout(END_WAIT_S):
+            async for _ in rest:
+                pass
 
 
 class Last(bytes):

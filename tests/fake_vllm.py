@@ -51,6 +51,10 @@ class FakeVLLM:
         self.prefix_resets = 0
         self.chunk_size = chunk_size
         self.chunk_delay = 0.0  # seconds between streamed chunks (a model generating)
+        # Seconds between a stream's `[DONE]` and the end of its response. 0: both in one write; vLLM
+        # (a starlette StreamingResponse) writes its end separately.
+        self.end_delay = 0.0
+        self.clients: list[tuple[str, int]] = []  # each chat call's client address: its connection
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[bytes, bytes]] = []  # request headers of chat calls
         self.record = True
@@ -118,6 +122,7 @@ class FakeVLLM:
         if path == "/v1/chat/completions" and method == "POST":
             if self.record:
                 self.headers.append(dict(scope["headers"]))
+                self.clients.append(tuple(scope["client"]))
             await self.chat(orjson.loads(body), send)
         elif path == "/v1/models":
             await self.json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm", "root": "/models/fake", "max_model_len": 2048}]})
@@ -261,7 +266,12 @@ class FakeVLLM:
         if (body.get("stream_options") or {}).get("include_usage"):
             await event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.get("model"),
                          "choices": [], "usage": usage})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        if not self.end_delay:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await asyncio.sleep(self.end_delay)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def free_port() -> int:

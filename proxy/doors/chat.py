@@ -22,8 +22,8 @@ from proxy.http import CallBegin, Route, check_body, door, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
 from proxy.shapes import ChatCompletionRequest
 from proxy.state import AppState
-from proxy.streams import GuardedStream, Last
-from proxy.translate.sse import encode_data, iter_sse_batches
+from proxy.streams import GuardedStream, Last, close_engine_part
+from proxy.translate.sse import DONE, encode_data, iter_sse_batches
 from proxy.upstream import UpstreamError, upstream_error
 
 
@@ -138,11 +138,15 @@ async def _stream(call: Call, resp: Answer, shaper: ChatShaper) -> AsyncIterator
     upstream_url = call.upstream_url
     capture = call.capture
     try:
-        async for batch in iter_sse_batches(resp.aiter_raw()):
+        batches = iter_sse_batches(resp.aiter_raw())
+        async for batch in batches:
             out = bytearray()
             for payload in batch:
-                if payload == b"[DONE]":  # held back: sent once the call is recorded (below)
-                    continue
+                if payload == b"[DONE]":  # the engine's answer is complete: end the client's stream now
+                    await _end(call, status, error, upstream_url)
+                    yield Last(bytes(out) + DONE)
+                    await close_engine_part(call, batches)
+                    return
                 chunk = orjson.loads(payload)
                 if chunk.get("error"):  # vLLM reports mid-stream failures as an error chunk
                     status, error = "error", {"type": "upstream_error", "message": str(chunk["error"].get("message", chunk["error"]))}
@@ -156,19 +160,23 @@ async def _stream(call: Call, resp: Answer, shaper: ChatShaper) -> AsyncIterator
                     out += b"data: " + orjson.dumps(shaped) + b"\n\n"
             if out:
                 yield bytes(out)
-        if status == StepStatus.aborted:
-            status, error = "ok", None
-        # Record the call and publish its continuation keys before the client reads the end of the
-        # stream, so its next call finds them whichever proxy it reaches.
-        calls.finish(call, status=status, error=error, native_output=capture.assistant_message(), upstream=upstream_url)
-        await calls.settle(call)
-        yield Last(b"data: [DONE]\n\n")
+        await _end(call, status, error, upstream_url)  # an engine that ended without its [DONE]
+        yield Last(DONE)
     except UpstreamError as e:
         status, error = "error", {"type": "upstream_error", "message": e.message}
         yield encode_data(error_body("openai", 502, e.message, type="upstream_error"))
     finally:
         calls.finish(call, status=status, error=error, native_output=capture.assistant_message(), upstream=upstream_url)
         await calls.close_upstream(call, resp)
+
+
+async def _end(call: Call, status: str, error: dict[str, Any] | None, upstream_url: str | None) -> None:
+    """Record the call and publish its continuation keys before the client reads the end of the
+    stream, so its next call finds them whichever proxy it reaches."""
+    if status == StepStatus.aborted:  # nothing went wrong on the way: the stream completed
+        status, error = "ok", None
+    calls.finish(call, status=status, error=error, native_output=call.capture.assistant_message(), upstream=upstream_url)
+    await calls.settle(call)
 
 
 def routes(state: AppState) -> list[Route]:

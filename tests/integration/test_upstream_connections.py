@@ -1,8 +1,11 @@
-"""A pooled connection the engine has just closed must not fail a call.
+"""The proxy's connections to the engine: kept for the next call, and never a failed call.
 
 The engine (uvicorn) closes idle keep-alive connections after 5 s; a connection the proxy's pool hands
 out as that happens fails with no answer. A relay in front of the scripted engine plays that race
 deterministically: it accepts a connection, reads the request, and hangs up without answering.
+
+A stream ends for the client at the engine's `[DONE]`; the end of the engine's response, which vLLM
+writes after it, is read afterwards so the connection serves the next call.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ import contextlib
 import socket
 import socketserver
 import threading
+import time
 from urllib.parse import urlsplit
 
 import httpx
 import openai
+import pytest
 
+from proxy.streams import END_WAIT_S
 from tests.fake_vllm import free_port
 
 
@@ -98,3 +104,58 @@ def test_a_replica_that_keeps_hanging_up_fails_the_call_in_the_api_format(start_
     finally:
         relay.shutdown()
         relay.server_close()
+
+
+def _stream_through(proxy_url: str, door: str) -> tuple[float, float]:
+    """One streamed call through `door`; (seconds until the engine's last event reached the client,
+    seconds until the response ended)."""
+    path, body = {
+        "chat": ("/v1/chat/completions", {"model": "fake", "stream": True,
+                                          "messages": [{"role": "user", "content": "#say done"}]}),
+        "messages": ("/v1/messages", {"model": "fake", "stream": True, "max_tokens": 64,
+                                      "messages": [{"role": "user", "content": "#say done"}]}),
+        "responses": ("/v1/responses", {"model": "fake", "stream": True, "input": "#say done"}),
+    }[door]
+    last_event = ("data: [DONE]", "event: message_stop", "event: response.completed")
+    t0 = time.monotonic()
+    seen = None
+    with httpx.stream("POST", proxy_url + path, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith(last_event):
+                seen = time.monotonic() - t0
+    assert seen is not None
+    return seen, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("door", ["chat", "messages", "responses"])
+def test_a_stream_ends_at_the_engines_done_and_its_connection_is_kept(start_proxy, fake_upstream, door):
+    # vLLM writes the end of its chunked response after `[DONE]`; here it comes 0.6 s later.
+    fake_upstream.end_delay = 0.6
+    proxy = start_proxy([fake_upstream.url])
+    assert proxy.versions.ready.wait(30)
+    replica = proxy.state.pool.replicas[0]
+    ended = []
+    for _ in range(4):
+        seen, total = _stream_through(proxy.url, door)
+        ended.append(total)
+        assert replica.inflight == 0  # the engine's work is done: its slot is free at once
+        time.sleep(0.9)  # the engine's end arrives meanwhile, and the proxy reads it
+    # The client's stream ends with the engine's last event, not 0.6 s later with the engine's response.
+    assert max(ended) < 0.5, ended
+    # ... and the connection, read to its end, served every call (closed, each call would open one).
+    assert len(set(fake_upstream.clients)) == 1, fake_upstream.clients
+
+
+def test_an_engine_that_never_ends_its_response_after_done_costs_only_its_connection(start_proxy, fake_upstream):
+    fake_upstream.end_delay = 8.0
+    proxy = start_proxy([fake_upstream.url])
+    assert proxy.versions.ready.wait(30)
+    replica = proxy.state.pool.replicas[0]
+    first, total = _stream_through(proxy.url, "chat")
+    assert total < 5 and replica.inflight == 0
+    time.sleep(END_WAIT_S + 0.5)  # the proxy gave up waiting for the end: that connection is closed
+    _stream_through(proxy.url, "chat")
+    assert len(set(fake_upstream.clients)) == 2
+    steps = proxy.steps(proxy.state.factory)
+    assert [s.status for s in steps] == ["ok", "ok"]
