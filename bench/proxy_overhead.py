@@ -8,6 +8,8 @@ out of the numbers). Direct and proxied calls alternate in rounds, so machine no
   python bench/proxy_overhead.py [--requests 2000] [--out bench/results/proxy_overhead.json]
   python bench/proxy_overhead.py --with-provider-route   # + a second proxy whose routing table has a
                                                          # LiteLLM provider route (not the bench's model)
+  python bench/proxy_overhead.py --with-floor            # + bench/floor_proxy.py: the same web stack
+                                                         # (uvicorn, starlette, aiohttp) doing nothing else
   python bench/proxy_overhead.py --processes 1,2,3       # instead: throughput at concurrency 32 through
                                                          # 1, 2 and 3 proxy processes (bench/scaleout.py)
 
@@ -196,11 +198,13 @@ def q(values: list[float], p: float) -> float:
 
 
 async def measure(direct_port: int, proxy_port: int, requests: int, concurrency: int, stream: bool, rounds: int,
-                  rate: float | None = None, routed_port: int | None = None) -> dict:
+                  rate: float | None = None, routed_port: int | None = None, floor_port: int | None = None) -> dict:
     """Direct and proxied calls (and, with `routed_port`, calls through the proxy that has a provider
-    route) in interleaved rounds: each round runs every target once, in turn."""
+    route; with `floor_port`, through bench/floor_proxy.py) in interleaved rounds: each round runs
+    every target once, in turn."""
     per_round = max(concurrency, requests // rounds)
     targets = [("direct", direct_port), ("proxy", proxy_port)] + ([("proxy_routed", routed_port)] if routed_port else [])
+    targets += [("floor", floor_port)] if floor_port else []
     res: dict[str, tuple[list[float], list[float], list[float]]] = {name: ([], [], []) for name, _ in targets}
     errors = {name: 0 for name, _ in targets}
     i = 0
@@ -229,6 +233,9 @@ async def measure(direct_port: int, proxy_port: int, requests: int, concurrency:
     if routed_port:
         out["routed_added_p50_ms"] = out["proxy_routed"]["p50_ms"] - out["direct"]["p50_ms"]
         out["routed_added_p99_ms"] = out["proxy_routed"]["p99_ms"] - out["direct"]["p99_ms"]
+    if floor_port:
+        out["floor_added_p50_ms"] = out["floor"]["p50_ms"] - out["direct"]["p50_ms"]
+        out["floor_added_p99_ms"] = out["floor"]["p99_ms"] - out["direct"]["p99_ms"]
     return out
 
 
@@ -339,22 +346,24 @@ BENCH_ROUTES = json.dumps([{"model": "claude-*", "provider": "anthropic/{model}"
                             "api_base": "http://127.0.0.1:9"}])
 
 
-def wait_database(port: int) -> None:
+def wait_database(port: int, timeout: float = 60.0) -> None:
     import httpx
 
-    wait_http(port, "/healthz")
-    deadline = time.monotonic() + 60
-    while not httpx.get(f"http://127.0.0.1:{port}/healthz").json()["database"]:
+    wait_http(port, "/healthz", timeout)
+    deadline = time.monotonic() + timeout
+    while not httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=timeout).json()["database"]:
         if time.monotonic() > deadline:
             raise RuntimeError("proxy has no database")
         time.sleep(0.2)
 
 
 def start_stack(db: tuple[str, Callable[[], None]] | None = None, env: dict[str, str] | None = None,
-                provider_route: bool = False) -> Stack:
+                provider_route: bool = False, wrap: list[str] | None = None, tree: Path = ROOT,
+                start_timeout_s: float = 60.0) -> Stack:
     """Start the upstream and the proxy (and with `provider_route`, a second proxy with a provider
     route, on the same database) and wait until each has its database (its writer is then connected).
-    `db`: (url, release) of a database to use (default: `scratch_database()`); `env`: extra settings."""
+    `db`: (url, release) of a database to use (default: `scratch_database()`); `env`: extra settings;
+    `wrap`: a command the proxy runs under (valgrind); `tree`: the checkout whose proxy runs."""
     db_url, drop = db or scratch_database()
     home = tempfile.mkdtemp(prefix="bench-home-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None)
     os.chmod(home, 0o755)
@@ -364,12 +373,12 @@ def start_stack(db: tuple[str, Callable[[], None]] | None = None, env: dict[str,
                               env=base_env)]
     penv = {**base_env, "ATDP_HOME": home, "ATDP_UPSTREAM_URL": f"http://127.0.0.1:{up_port}", "ATDP_OPEN_MODE": "1",
             "ATDP_DEFAULT_TENANT": "bench", "ATDP_DATABASE_URL": db_url, **(env or {})}
-    procs.append(subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--port", str(proxy_port),
-                                   "--log-level", "warning"], cwd=ROOT, env=penv))
+    procs.append(subprocess.Popen([*(wrap or []), sys.executable, "-m", "proxy.cli", "serve", "--port", str(proxy_port),
+                                   "--log-level", "warning"], cwd=tree, env={**penv, "PYTHONPATH": str(tree)}))
     stack = Stack(up_port, proxy_port, procs, home, db_url, drop)
     try:
         wait_http(up_port)
-        wait_database(proxy_port)
+        wait_database(proxy_port, start_timeout_s)
         if provider_route:  # once the first proxy has migrated the database (two at once would race)
             stack.routed_port = free_port()
             rhome = os.path.join(home, "routed")  # removed with the stack's home
@@ -385,6 +394,18 @@ def start_stack(db: tuple[str, Callable[[], None]] | None = None, env: dict[str,
     return stack
 
 
+def side_by_side(results: list[dict], a: str, b: str, a_key: str, b_key: str, a_added: str, b_added: str) -> None:
+    """A table of two proxied targets' added latency and throughput, per scenario."""
+    print()
+    print(f"| concurrency | load | stream | added p50 / p99, {a} (ms) | added p50 / p99, {b} (ms) | rps, {a} / {b} |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        load = f"{r['offered_rps']:.0f} req/s offered" if r["offered_rps"] else "closed loop"
+        print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r[a_added + '_p50_ms']:.2f} / "
+              f"{r[a_added + '_p99_ms']:.2f} | {r[b_added + '_p50_ms']:.2f} / {r[b_added + '_p99_ms']:.2f} | "
+              f"{r[a_key]['rps']:.0f} / {r[b_key]['rps']:.0f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000, help="proxied requests per scenario (same number direct)")
@@ -393,6 +414,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.json"))
     ap.add_argument("--with-provider-route", action="store_true",
                     help="also measure a proxy whose routing table has a LiteLLM provider route, interleaved")
+    ap.add_argument("--with-floor", action="store_true",
+                    help="also measure bench/floor_proxy.py (the web stack alone, no atdp work), interleaved")
     ap.add_argument("--processes", help="instead: closed-loop throughput at concurrency 32 through this many proxy "
                     "processes, side by side (e.g. 1,2,3; bench/scaleout.py)")
     args = ap.parse_args()
@@ -404,7 +427,15 @@ def main() -> int:
 
     stack = start_stack(provider_route=args.with_provider_route)
     up_port, proxy_port, db_url = stack.up_port, stack.proxy_port, stack.db_url
+    floor_port = None
+    if args.with_floor:
+        floor_port = free_port()
+        stack.procs.append(subprocess.Popen([sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--port",
+                                             str(floor_port), "--upstream", f"http://127.0.0.1:{up_port}"],
+                                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
     try:
+        if floor_port:
+            wait_http(floor_port, "/")
         import httpx
 
         results = []
@@ -414,7 +445,8 @@ def main() -> int:
                      (32, False, None), (32, True, None)]
         for concurrency, stream, rate in scenarios:
             n = args.requests if concurrency == 1 else args.requests * 2
-            r = asyncio.run(measure(up_port, proxy_port, n, concurrency, stream, args.rounds, rate, stack.routed_port))
+            r = asyncio.run(measure(up_port, proxy_port, n, concurrency, stream, args.rounds, rate, stack.routed_port,
+                                    floor_port))
             results.append(r)
             mode = f"rate {rate:.0f}/s" if rate else "closed loop"
             print(f"c={concurrency:>2} {mode:12} stream={str(stream):5}  direct p50 {r['direct']['p50_ms']:6.2f} ms "
@@ -426,6 +458,10 @@ def main() -> int:
                 print(f"      with a provider route: proxy p50 {r['proxy_routed']['p50_ms']:6.2f} ms p99 "
                       f"{r['proxy_routed']['p99_ms']:6.2f} ms {r['proxy_routed']['rps']:7.0f} rps | added p50 "
                       f"{r['routed_added_p50_ms']:5.2f} ms p99 {r['routed_added_p99_ms']:5.2f} ms", flush=True)
+            if floor_port:
+                print(f"      the stack's floor: p50 {r['floor']['p50_ms']:6.2f} ms p99 {r['floor']['p99_ms']:6.2f} ms "
+                      f"{r['floor']['rps']:7.0f} rps | added p50 {r['floor_added_p50_ms']:5.2f} ms p99 "
+                      f"{r['floor_added_p99_ms']:5.2f} ms", flush=True)
         # Persistence was on: every proxied call must become a step in PostgreSQL. The writer may
         # still hold a backlog from the closed-loop runs (they offer far more than 300 req/s).
         per_proxy = sum(r["requests_each"] for r in results) + sum(r["concurrency"] * 4 for r in results)
@@ -444,7 +480,7 @@ def main() -> int:
         summary = {"results": results, "proxied_calls": sent, "steps_in_database": written,
                    "writer_backlog_at_end": backlog, "writer_drain_seconds": drain_s,
                    "machine": {"cores": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
-                   "provider_route": BENCH_ROUTES if stack.routed_port else None}
+                   "provider_route": BENCH_ROUTES if stack.routed_port else None, "floor": bool(floor_port)}
         print(f"steps in PostgreSQL: {written} of {sent} proxied calls "
               f"(writer backlog {backlog} at the end of the load, drained in {drain_s:.1f} s)")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -458,16 +494,10 @@ def main() -> int:
             print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r['direct']['p50_ms']:.2f} / {r['direct']['p99_ms']:.2f} | "
                   f"{r['proxy']['p50_ms']:.2f} / {r['proxy']['p99_ms']:.2f} | {r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | "
                   f"{r['proxy']['rps']:.0f} | {r['added_ttfb_p50_ms']:.2f} |")
+        if floor_port:
+            side_by_side(results, "the stack's floor", "atdp", "floor", "proxy", "floor_added", "added")
         if stack.routed_port:
-            print()
-            print("| concurrency | load | stream | added p50 / p99, no route (ms) | added p50 / p99, provider route (ms) | "
-                  "rps, no route / route |")
-            print("| --- | --- | --- | --- | --- | --- |")
-            for r in results:
-                load = f"{r['offered_rps']:.0f} req/s offered" if r["offered_rps"] else "closed loop"
-                print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r['added_p50_ms']:.2f} / "
-                      f"{r['added_p99_ms']:.2f} | {r['routed_added_p50_ms']:.2f} / {r['routed_added_p99_ms']:.2f} | "
-                      f"{r['proxy']['rps']:.0f} / {r['proxy_routed']['rps']:.0f} |")
+            side_by_side(results, "no route", "provider route", "proxy", "proxy_routed", "added", "routed_added")
     finally:
         stack.stop()
     return 0

@@ -1,0 +1,74 @@
+"""Instructions the proxy process executes per call, counted by valgrind (callgrind).
+
+CPU seconds per call move with whatever else the machine runs (on a shared 2-core VM the same code
+has measured 0.8 to 1.4 ms within minutes); an instruction count barely moves, so two checkouts can
+be compared in one run each. The proxy runs under `valgrind --tool=callgrind` with instrumentation
+off while it starts; the count covers only the measured calls (warm-up excluded), in the proxy's
+process and every thread of it (the writer's sender thread included; the writer child runs
+natively, as do the scripted upstream and the load generator). Same set-up as cpu_per_call.py
+(scripted upstream, `atdp serve`, persistence on), the proxy about 30-50x slower, so use few calls.
+
+  python bench/instructions_per_call.py [--n 300] [--concurrency 8] [--stream | --no-stream]
+  python bench/instructions_per_call.py --tree ../other-checkout   # that checkout's proxy, this load
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from proxy_overhead import ROOT, run_round, start_stack
+
+
+def callgrind(*args: str) -> None:
+    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=120)
+
+
+def total_instructions(out_dir: Path, pid: int) -> int:
+    """Instructions in the last dump of process `pid` (its `totals:` or `summary:` line)."""
+    dumps = sorted(out_dir.glob(f"cg.{pid}.*"), key=lambda p: int(p.suffix[1:]))
+    assert dumps, f"no callgrind dump in {out_dir}"
+    for line in dumps[-1].read_text(errors="replace").splitlines():
+        if m := re.match(r"(?:totals|summary): (\d+)", line):
+            return int(m.group(1))
+    raise RuntimeError(f"no totals in {dumps[-1]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose proxy runs (default: this one)")
+    args = ap.parse_args()
+    out_dir = Path(tempfile.mkdtemp(prefix="callgrind-"))
+    wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--trace-children=no",
+            f"--callgrind-out-file={out_dir}/cg.%p"]
+    stack = start_stack(wrap=wrap, tree=args.tree.resolve(), start_timeout_s=900)
+    pid, port = stack.procs[1].pid, stack.proxy_port
+    health = f"http://127.0.0.1:{port}/healthz"
+    try:
+        asyncio.run(run_round(port, 4 * args.concurrency, args.concurrency, args.stream, 10_000_000))  # warm up
+        while httpx.get(health, timeout=60).json()["writer_pending"]:
+            time.sleep(0.2)
+        callgrind("-i", "on", str(pid))
+        callgrind("-z", str(pid))
+        _, _, rps, errors = asyncio.run(run_round(port, args.n, args.concurrency, args.stream, 0))
+        callgrind("-d", str(pid))
+        callgrind("-i", "off", str(pid))
+        total = total_instructions(out_dir, pid)
+        print(f"{args.tree.resolve().name}: {args.n} calls, concurrency {args.concurrency}, stream={args.stream}, "
+              f"{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in the proxy process")
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
