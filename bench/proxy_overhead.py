@@ -394,14 +394,19 @@ def start_stack(db: tuple[str, Callable[[], None]] | None = None, env: dict[str,
     return stack
 
 
+def scenario(r: dict) -> str:
+    """A result's first three table cells: concurrency, load, stream."""
+    load = f"{r['offered_rps']:.0f} req/s offered" if r["offered_rps"] else "closed loop"
+    return f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} |"
+
+
 def side_by_side(results: list[dict], a: str, b: str, a_key: str, b_key: str, a_added: str, b_added: str) -> None:
     """A table of two proxied targets' added latency and throughput, per scenario."""
     print()
     print(f"| concurrency | load | stream | added p50 / p99, {a} (ms) | added p50 / p99, {b} (ms) | rps, {a} / {b} |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
-        load = f"{r['offered_rps']:.0f} req/s offered" if r["offered_rps"] else "closed loop"
-        print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r[a_added + '_p50_ms']:.2f} / "
+        print(f"{scenario(r)} {r[a_added + '_p50_ms']:.2f} / "
               f"{r[a_added + '_p99_ms']:.2f} | {r[b_added + '_p50_ms']:.2f} / {r[b_added + '_p99_ms']:.2f} | "
               f"{r[a_key]['rps']:.0f} / {r[b_key]['rps']:.0f} |")
 
@@ -490,8 +495,7 @@ def main() -> int:
         print("| concurrency | load | stream | direct p50 / p99 (ms) | proxy p50 / p99 (ms) | added p50 / p99 (ms) | proxy rps | added TTFB p50 (ms) |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in results:
-            load = f"{r['offered_rps']:.0f} req/s offered" if r["offered_rps"] else "closed loop"
-            print(f"| {r['concurrency']} | {load} | {'yes' if r['stream'] else 'no'} | {r['direct']['p50_ms']:.2f} / {r['direct']['p99_ms']:.2f} | "
+            print(f"{scenario(r)} {r['direct']['p50_ms']:.2f} / {r['direct']['p99_ms']:.2f} | "
                   f"{r['proxy']['p50_ms']:.2f} / {r['proxy']['p99_ms']:.2f} | {r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f} | "
                   f"{r['proxy']['rps']:.0f} | {r['added_ttfb_p50_ms']:.2f} |")
         if floor_port:
