@@ -33,7 +33,7 @@ import asyncio
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -70,7 +70,7 @@ class TokenMemory:
     def may_ask(self, url: str) -> bool:
         return self._without.get(url, 0.0) <= time.monotonic()
 
-    def put(self, step_id: str, prompt_ids: list[int], output_ids: list[int]) -> None:
+    def put(self, step_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         if not prompt_ids or not output_ids or step_id in self._items:
             return
         a = array("i", prompt_ids)

@@ -49,8 +49,8 @@ class ChatCapture:
         """What one chunk (`read_chunk`) or a whole completion (`read_completion`) adds."""
         if self.response_id is None:
             self.response_id, self.model = part.id, part.model
-        if part.prompt_token_ids:
-            self.prompt_token_ids = part.prompt_token_ids
+        if part.prompt_token_ids:  # compact once: the token memory and the step copy it as bytes
+            self.prompt_token_ids = compact_ids(part.prompt_token_ids)
         if part.usage:
             self.usage = part.usage
         if not part.has_choice:
@@ -194,18 +194,18 @@ class CapturedStep:
         self.output_logprobs = compact_logprobs(self.output_logprobs)
 
 
-def _int32s(values: Sequence[int]) -> array:
-    """`array("i", values)` at under half its cost: array converts item by item, parsing each as a
-    call's arguments; struct converts them in one pass. Anything struct refuses goes through array,
-    which raises what it always did (OverflowError beyond 32 bits, TypeError for a non-int). A few
-    ids (a streamed chunk's) are cheaper through array itself."""
+def _packed(typecode: str, values: Sequence[float]) -> array:
+    """`array(typecode, values)` ("i" or "f") at under half its cost: array converts item by item,
+    parsing each as a call's arguments; struct converts them in one pass. Anything struct refuses
+    goes through array, which raises what it always did (OverflowError beyond 32 bits, TypeError for
+    a non-number). A few values (a streamed chunk's) are cheaper through array itself."""
     if len(values) < 32:
-        return array("i", values)
+        return array(typecode, values)
     try:
-        packed = struct.pack(f"{len(values)}i", *values)
-    except struct.error:
-        return array("i", values)
-    out = array("i")
+        packed = struct.pack(f"{len(values)}{typecode}", *values)
+    except (struct.error, OverflowError):
+        return array(typecode, values)
+    out = array(typecode)
     out.frombytes(packed)
     return out
 
@@ -214,7 +214,7 @@ def _extend_ids(ids: array | list, more: Sequence[int]) -> array | list:
     if isinstance(ids, array):
         n = len(ids)
         try:
-            ids.extend(_int32s(more) if ids.typecode == "i" and len(more) >= 32 else more)
+            ids.extend(_packed("i", more) if ids.typecode == "i" else more)
             return ids
         except (OverflowError, TypeError):  # not 32-bit ints (no engine's are): kept as they came
             del ids[n:]  # what the failed extend appended before it stopped
@@ -229,7 +229,7 @@ def compact_ids(ids: Sequence[int]) -> Sequence[int]:
     if isinstance(ids, array):
         return ids
     try:
-        return _int32s(ids)
+        return _packed("i", ids)
     except OverflowError:
         return array("q", ids)
     except TypeError:
@@ -242,7 +242,7 @@ def compact_logprobs(values: Sequence[float]) -> Sequence[float]:
     if isinstance(values, array):
         return values
     try:
-        return array("f", values)
+        return _packed("f", values)
     except TypeError:
         return values
 

@@ -102,7 +102,7 @@ def test_streamed_chunks_capture_what_a_whole_answer_does() -> None:
             chunk["prompt_token_ids"] = [1, 2, 3]
         cap.feed_chunk(orjson.loads(orjson.dumps(chunk)))
     cap.feed_chunk({"id": "generate-tokens-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}})
-    assert cap.prompt_token_ids == [1, 2, 3] and list(cap.output_token_ids) == [10, 11, IM_END]
+    assert list(cap.prompt_token_ids) == [1, 2, 3] and list(cap.output_token_ids) == [10, 11, IM_END]
     assert list(cap.output_logprobs) == [-0.5] * 3 and cap.output_versions == ["v1", "v2", "v2"]
     assert cap.assistant_message()["tool_calls"] == [
         {"id": "call_1", "type": "function", "function": {"name": "Read", "arguments": '{"a": 1}'}}]
