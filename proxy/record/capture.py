@@ -214,7 +214,7 @@ def _extend_ids(ids: array | list, more: Sequence[int]) -> array | list:
     if isinstance(ids, array):
         n = len(ids)
         try:
-            ids.extend(_packed("i", more) if ids.typecode == "i" else more)
+            ids.extend(_packed("i", more) if ids.typecode == "i" and len(more) >= 32 else more)  # a chunk's few: as they are
             return ids
         except (OverflowError, TypeError):  # not 32-bit ints (no engine's are): kept as they came
             del ids[n:]  # what the failed extend appended before it stopped

@@ -9,6 +9,7 @@ the engines' request counts say which proxy served a call.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ from tests.compose_files import HAPROXY_CFG
 from tests.fake_vllm import FakeVLLM, ServerThread, free_port
 from tests.integration.test_multiproxy import HERMES, sessions_of
 
-HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
+HAPROXY = os.environ.get("ATDP_HAPROXY") or shutil.which("haproxy") or "/usr/sbin/haproxy"  # as scripts/system_packages.sh
 
 
 def shipped_config_for(port: int, servers: list[str]) -> str:
