@@ -75,7 +75,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def _memory() -> str:
+    """The host's free memory now: a server killed for memory leaves no line of its own in its log."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        kib = int(info["MemAvailable"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return "memory available: unknown"
+    return f"memory available: {kib / 2**20:.1f} GiB"
+
+
+def _tail(path: Path, lines: int = 60) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
@@ -204,13 +214,29 @@ class VLLMServer:
                 os.killpg(pgid, signal.SIGKILL)
             _wait_group_gone(pgid, 5.0)  # SIGKILL is not instant: let them exit before returning
 
-    def exit_report(self) -> str | None:
-        """None while the server runs; once it has exited, its exit code and the tail of its log."""
-        code = self._proc.poll() if self._proc is not None else None
-        return None if code is None else self._failure(f"vLLM exited with code {code}")
+    def exit_report(self, wait: float = 15.0) -> str | None:
+        """None while the server answers; else why not: its exit code or its silence, and its log's tail.
+
+        A server whose engine died closes its port before its process exits, so one that no longer
+        answers gets `wait` seconds to exit and say so."""
+        if self._proc is None:
+            return None
+        deadline = time.monotonic() + wait
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    return self._failure(f"vLLM exited with code {code}")
+                with contextlib.suppress(httpx.HTTPError):
+                    client.get(f"{self.base_url}/health")
+                    return None  # any answer: the server is up (a paused engine still answers)
+                if time.monotonic() > deadline:
+                    silent = f"vLLM (pid {self._proc.pid}) runs but has not answered for {wait:.0f} s"
+                    return self._failure(silent)
+                time.sleep(0.5)
 
     def _failure(self, what: str) -> str:
-        return f"{what}; log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
+        return f"{what}; {_memory()}; log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
 
     def __enter__(self) -> VLLMServer:
         self.start()

@@ -23,6 +23,7 @@ arm's held-out reward beats the control's, with the 95% interval of the differen
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import random
@@ -100,8 +101,6 @@ def _reward(subset: set[int], ids: list[int]) -> float:
 
 def _run_arm(proxy, vllm_server, url: str, home: Path, subset: set[int], *, shuffle: bool) -> tuple[Arm, set[int]]:
     """ROUNDS rounds with an update after each but the last; then the held-out prompts."""
-    from tests.vllm_fixtures import swap_weights
-
     engine = db.make_engine(url)
     own = db.session_factory(engine)
     arm = Arm()
@@ -131,18 +130,29 @@ def _run_arm(proxy, vllm_server, url: str, home: Path, subset: set[int], *, shuf
                 assert "engine numerics: bf16" in proc.stderr, proc.stderr[-3000:]  # probed, not plain fp32
         arm.heldout = _heldout(proxy, vllm_server.model, own, subset, tag="c" if shuffle else "r")
         _check_store(own)
-    finally:
+    except BaseException as exc:
         died = vllm_server.server.exit_report()
-        if died:  # say why the engine went away instead of failing on the swap back below
-            pytest.fail(died, pytrace=False)
-        listing = httpx.get(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
-        base = next(v for v in listing["data"] if v["name"] == "base")
-        back = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": base["checkpoint"], "name": "base", "promote": "now"},
-                          headers=ADMIN, timeout=120)
-        if back.status_code != 200:
-            swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
+        if died:  # why the engine went away; the error the test met is only its symptom
+            pytest.fail(f"{died}\n--- what the test met ---\n{exc!r}", pytrace=False)
+        with contextlib.suppress(Exception):  # later tests share the engine; the error above is the news
+            _serve_base(proxy, vllm_server)
+        raise
+    else:
+        _serve_base(proxy, vllm_server)  # the next arm starts from the same weights
+    finally:
         engine.dispose()
     return arm, subset
+
+
+def _serve_base(proxy, vllm_server) -> None:
+    from tests.vllm_fixtures import swap_weights
+
+    listing = httpx.get(proxy.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
+    base = next(v for v in listing["data"] if v["name"] == "base")
+    back = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": base["checkpoint"], "name": "base", "promote": "now"},
+                      headers=ADMIN, timeout=120)
+    if back.status_code != 200:
+        swap_weights(vllm_server.base_url, vllm_server.model_dir, "base")
 
 
 def _heldout(proxy, model: str, own, subset: set[int], *, tag: str) -> list[float]:
