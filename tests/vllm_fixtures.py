@@ -13,6 +13,7 @@ fixture fails, on purpose, instead of skipping: a green run must mean the engine
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ class EngineHandle:
 
     def swap(self, weights_dir: Path, version: str) -> dict:
         return swap_weights(self.base_url, weights_dir, version)
+
+
+LONG_CONTEXT = 40960  # tokens the shared engine serves
 
 
 def trained_looking_checkpoint(base_dir: Path, out_dir: Path) -> Path:
@@ -106,7 +110,15 @@ def vllm_server(vllm_python: str, tiny_model_dir: Path):
         python=vllm_python,
         model_dir=tiny_model_dir,
         served_name=SERVED_NAME,
-        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        # A context long enough for the real clients' system prompts (test_client_trainability), so
+        # one engine start serves the whole session: each start costs a minute of compiling.
+        max_model_len=LONG_CONTEXT,
+        extra_args=[
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            # the random tiny model has no trained position limit; its rotary table just has to
+            # cover the longer context (the first 2,048 positions are the same values)
+            "--hf-overrides", json.dumps({"max_position_embeddings": LONG_CONTEXT}),
+        ],
         env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")},
     )
     started = time.monotonic()

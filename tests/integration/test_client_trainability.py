@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,32 +29,13 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from proxy.demo.vllm import VLLMServer
 from proxy.store import tables as t
 from tests.redaction_corpus import client_operator_content, lookalikes
-from tests.vllm_fixtures import SERVED_NAME, EngineHandle
+from tests.vllm_fixtures import SERVED_NAME
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ROUNDS = 4  # tool rounds after the captured turns
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def long_vllm(vllm_python: str, tiny_model_dir: Path):
-    """The tiny model with a context long enough for the clients' real system prompts."""
-    server = VLLMServer(python=vllm_python, model_dir=tiny_model_dir, served_name=SERVED_NAME, max_model_len=40960,
-                        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                    # the random tiny model has no trained position limit; its rotary
-                                    # table just has to cover the longer context
-                                    "--hf-overrides", json.dumps({"max_position_embeddings": 40960})],
-                        env={"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")})
-    server.start()
-    try:
-        server.wait_ready(timeout=float(os.environ.get("ATDP_VLLM_START_TIMEOUT", "600")))
-        yield EngineHandle(base_url=server.base_url, model=SERVED_NAME, model_dir=tiny_model_dir, server=server,
-                           start_seconds=0.0)
-    finally:
-        server.stop()
 
 
 # Real tool output carries personal data too: `git log` shows authors' e-mail addresses. Redaction
@@ -147,8 +127,8 @@ def _send(client: str, proxy, body: dict[str, Any]) -> str:
 
 
 @pytest.mark.vllm
-def test_each_real_clients_steps_are_trainable_by_default(start_proxy, long_vllm, factory, capsys):
-    proxy = start_proxy([long_vllm.base_url], tokenizer=None)  # no ATDP_TOKENIZER: found from /v1/models
+def test_each_real_clients_steps_are_trainable_by_default(start_proxy, vllm_server, factory, capsys):
+    proxy = start_proxy([vllm_server.base_url], tokenizer=None)  # no ATDP_TOKENIZER: found from /v1/models
     assert proxy.versions.ready.wait(120)
     turns = {"claude-code": claude_code_turns(), "codex": codex_turns(), "hermes": hermes_turns()}
     sent = {client: [_send(client, proxy, body) for body in bodies] for client, bodies in turns.items()}

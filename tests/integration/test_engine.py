@@ -106,7 +106,7 @@ def test_tokenize_and_detokenize(vllm_server, client):
     tokenized = client.post("/tokenize", json={"model": vllm_server.model, "messages": MESSAGES}).json()
     assert tokenized["tokens"] == reference["prompt_token_ids"]
     assert tokenized["count"] == len(reference["prompt_token_ids"])
-    assert tokenized["max_model_len"] == 2048
+    assert tokenized["max_model_len"] == vllm_server.server.max_model_len
 
     text = client.post("/tokenize", json={"model": vllm_server.model, "prompt": "Hello there"}).json()
     back = client.post("/detokenize", json={"model": vllm_server.model, "tokens": text["tokens"]}).json()
