@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -83,7 +85,21 @@ def active_keys(s: Session) -> list[tuple[str, Principal]]:
     return [(r.key_hash, _principal(r)) for r in rows]
 
 
-def key_from_headers(headers) -> str | None:
+def header_map(scope: MutableMapping[str, Any]) -> dict[str, str]:
+    """The request's headers as a plain dict, built once per request and kept in its ASGI scope.
+    A call reads about twenty headers, most of them absent; Starlette's `Headers.get` scans the list
+    and raises and catches a KeyError for each miss. The first of repeated headers wins, as there.
+    ASGI servers give header names lowercased."""
+    headers = scope.get("atdp.headers")
+    if headers is None:
+        headers = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        scope["atdp.headers"] = headers
+    return headers
+
+
+def key_from_headers(headers: Mapping[str, str]) -> str | None:
     """`Authorization: Bearer KEY` (OpenAI, newer Anthropic SDKs) or `x-api-key: KEY` (Anthropic)."""
     auth = headers.get("authorization")
     if auth:

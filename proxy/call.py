@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +22,7 @@ import orjson
 from starlette.requests import Request
 
 from proxy import providers, telemetry
-from proxy.auth import Principal
+from proxy.auth import Principal, header_map
 from proxy.errors import ApiError
 from proxy.providers import ProviderResponse, ProviderRoute
 from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras
@@ -120,26 +121,27 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
     keys = [match_key(m) for m in messages]
     hashes = prefix_hashes(principal.tenant, keys)
     fingerprint = body_hash(principal.tenant, body)
-    session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session, body=body,
+    headers = header_map(request.scope)
+    session, cont = resolve(tenant=principal.tenant, headers=headers, path_session=path_session, body=body,
                             hashes=hashes, index=state.index, fingerprint=fingerprint)
     links = state.links
     if links is not None and (wanted := unknown_keys(cont, session, hashes, messages, inputs=links.shared)):
         rows = await links.lookup(wanted, principal.tenant)
         if rows:
             state.index.learn(rows)
-            session, cont = resolve(tenant=principal.tenant, headers=request.headers, path_session=path_session,
+            session, cont = resolve(tenant=principal.tenant, headers=headers, path_session=path_session,
                                     body=body, hashes=hashes, index=state.index, fingerprint=fingerprint)
     new = messages[cont.history_len :]
     return Call(
         state=state, principal=principal, api=api, step_id=new_id(), session=session, continuation=cont,
         hashes=hashes, body_hash=fingerprint, native_messages=messages, system=system, tools=tools,
         tool_results=tool_results_of(new) if tool_results_of else [], params=params or {},
-        model=body.get("model"), client_info=_client_info(request.headers), started_at=datetime.now(UTC),
+        model=body.get("model"), client_info=_client_info(headers), started_at=datetime.now(UTC),
         t0=t0, start_ns=time.time_ns(),
     )
 
 
-def _client_info(headers) -> dict[str, Any]:
+def _client_info(headers: Mapping[str, str]) -> dict[str, Any]:
     info = {}
     for h in ("user-agent", "x-stainless-lang", "x-stainless-package-version", "anthropic-version", "originator"):
         if v := headers.get(h):
@@ -322,12 +324,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         output_versions=_engine_versions(cap.output_versions, call.version), prompt_path=call.prompt_path,
     )
     call.state.recorder.submit(step)
-    telemetry.REQUESTS.labels(call.api, status).inc()
-    telemetry.LATENCY.labels(call.api).observe(total_s)
-    if call.ttft_s is not None:
-        telemetry.TTFT.labels(call.api).observe(call.ttft_s)
-    telemetry.TOKENS.labels("prompt").inc(prompt_tokens)
-    telemetry.TOKENS.labels("completion").inc(completion_tokens)
+    telemetry.record_call(call.api, status, total_s, call.ttft_s, prompt_tokens, completion_tokens)
     call.state.tracer.record_call(
         api=call.api, model=step.model, session_id=call.session.external_id, step_id=call.step_id, status=status,
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, start_ns=call.start_ns,

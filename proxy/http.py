@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy import call as calls
-from proxy.auth import Principal
+from proxy.auth import Principal, header_map
 from proxy.errors import ApiError, flavor_for_path
 from proxy.shapes import MAX_DEPTH, MAX_ID, MAX_TENANT, ShapeError, check, id_problem, too_deep
 from proxy.state import AppState
@@ -53,7 +53,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
+    declared = header_map(request.scope).get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body over the {limit}-byte limit")
     chunks, size = [], 0
@@ -74,7 +74,7 @@ async def read_json(request: Request, limit: int) -> Any:
 
 def check_body(model: type[M], body: Any, request: Request) -> M:
     """The body as its pydantic model, or a 400 in the called API's words (naming the field only)."""
-    flavor = flavor_for_path(request.url.path)
+    flavor = flavor_for_path(request.scope["path"])  # not request.url: that parses a whole URL
     try:
         return check(model, body, style=flavor)
     except ShapeError as e:

@@ -21,6 +21,7 @@ import hashlib
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ class Continuation:
     history_len: int  # how many leading messages the parent already covers
 
 
-def detect_client(headers) -> str | None:
+def detect_client(headers: Mapping[str, str]) -> str | None:
     ua = (headers.get("user-agent") or "").lower()
     if headers.get("x-claude-code-session-id") or "claude-cli" in ua or "claude-code" in ua:
         return "claude-code"
@@ -84,7 +85,7 @@ def _metadata_session(body: dict[str, Any]) -> str | None:
     return None
 
 
-def explicit_session(headers, path_session: str | None, body: dict[str, Any]) -> tuple[str, str] | None:
+def explicit_session(headers: Mapping[str, str], path_session: str | None, body: dict[str, Any]) -> tuple[str, str] | None:
     """(session id, how we know it) from headers, the path or the body; None when the call names none.
 
     Every id the call names is checked, used or not (a 400 naming where it came from, never its value):
@@ -348,7 +349,7 @@ def body_hash(tenant: str, body: dict[str, Any]) -> str:
 
 
 def resolve(
-    *, tenant: str, headers, path_session: str | None, body: dict[str, Any], hashes: list[str],
+    *, tenant: str, headers: Mapping[str, str], path_session: str | None, body: dict[str, Any], hashes: list[str],
     index: ContinuationIndex, fingerprint: str = "",
 ) -> tuple[SessionRef, Continuation]:
     client = detect_client(headers)

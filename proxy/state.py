@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import Request
 
 from proxy import telemetry
-from proxy.auth import Principal, active_keys, hash_key, key_from_headers, lookup_key_hash
+from proxy.auth import Principal, active_keys, hash_key, header_map, key_from_headers, lookup_key_hash
 from proxy.canary import CanaryRouter
 from proxy.config import Settings
 from proxy.errors import ApiError
@@ -61,10 +61,11 @@ class AppState:
     async def authenticate(self, request: Request, *, admin: bool = False, scope: str | None = None) -> Principal:
         """Who calls. `admin`: the route needs the admin key, or a scoped key covering `scope`;
         a scoped key is refused everywhere else (model traffic included)."""
-        key = key_from_headers(request.headers)
+        headers = header_map(request.scope)
+        key = key_from_headers(headers)
         s = self.settings
         if key and s.admin_key and hmac.compare_digest(key.encode(), s.admin_key.encode()):
-            return Principal(tenant=request.headers.get("x-atdp-tenant") or s.default_tenant, key_id="admin",
+            return Principal(tenant=headers.get("x-atdp-tenant") or s.default_tenant, key_id="admin",
                              is_admin=True)
         if key is None:
             if s.open_mode and not admin:

@@ -31,6 +31,28 @@ SWAP_SECONDS = Histogram("atdp_weight_swap_seconds", "Pause to new version servi
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 
 
+PROMPT_TOKENS, COMPLETION_TOKENS = TOKENS.labels("prompt"), TOKENS.labels("completion")
+# Each call's children, looked up once per label value: `labels()` takes a lock and checks its
+# arguments every time. The label values are few (the doors' names, outcomes).
+_REQUESTS: dict[tuple[str, str], Counter] = {}
+_BY_API: dict[str, tuple[Histogram, Histogram]] = {}
+
+
+def record_call(api: str, status: str, total_s: float, ttft_s: float | None, prompt_tokens: int,
+                completion_tokens: int) -> None:
+    """One finished model call's metrics."""
+    if (requests := _REQUESTS.get((api, status))) is None:
+        requests = _REQUESTS.setdefault((api, status), REQUESTS.labels(api, status))
+    if (timings := _BY_API.get(api)) is None:
+        timings = _BY_API.setdefault(api, (LATENCY.labels(api), TTFT.labels(api)))
+    requests.inc()
+    timings[0].observe(total_s)
+    if ttft_s is not None:
+        timings[1].observe(ttft_s)
+    PROMPT_TOKENS.inc(prompt_tokens)
+    COMPLETION_TOKENS.inc(completion_tokens)
+
+
 WRITER_UP = Gauge("atdp_writer_up", "1 while the writer (child process or thread) runs", registry=REGISTRY)
 WRITER_RESTARTS = Counter("atdp_writer_restarts_total", "Writer child processes restarted after dying",
                           registry=REGISTRY)

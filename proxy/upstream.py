@@ -91,14 +91,17 @@ class Replica:
     _open: asyncio.Event = field(default_factory=asyncio.Event)
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
 
+    _label: str = field(default="", init=False, repr=False)
+
     def __post_init__(self) -> None:
         self._open.set()
+        self._label = public_url(self.url)  # read on every call; the URL never changes
         self._drained.set()
 
     @property
     def label(self) -> str:
         """What health, metrics, errors and logs show of this replica (never its credentials)."""
-        return public_url(self.url)
+        return self._label
 
     @property
     def is_open(self) -> bool:
