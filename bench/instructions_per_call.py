@@ -10,20 +10,23 @@ natively, as do the scripted upstream and the load generator). Same set-up as cp
 
   python bench/instructions_per_call.py [--n 300] [--concurrency 8] [--stream | --no-stream]
   python bench/instructions_per_call.py --tree ../other-checkout   # that checkout's proxy, this load
+  python bench/instructions_per_call.py --agent   # Hermes' real system prompt and 17 tool schemas (46 KB)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from proxy_overhead import ROOT, run_round, start_stack
+from proxy_overhead import ROOT, body_for, run_round, start_stack
 
 
 def callgrind(*args: str) -> None:
@@ -40,11 +43,29 @@ def total_instructions(out_dir: Path, pid: int) -> int:
     raise RuntimeError(f"no totals in {dumps[-1]}")
 
 
+@functools.cache
+def hermes_content() -> dict:
+    sys.path.insert(0, str(ROOT))
+    from tests.redaction_corpus import client_operator_content
+
+    return client_operator_content()["hermes"]
+
+
+def agent_body(i: int, stream: bool) -> dict:
+    """The bench's call as Hermes sends it: its captured system prompt and tool schemas in front."""
+    hermes = hermes_content()
+    body = body_for(i, stream)
+    body["messages"] = [*hermes["system"], *body["messages"][1:]]
+    body["tools"] = hermes["tools"]
+    return body
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--agent", action="store_true", help="agent-sized calls (Hermes' system prompt and tools)")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose proxy runs (default: this one)")
     args = ap.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="callgrind-"))
@@ -54,17 +75,18 @@ def main() -> int:
     pid, port = stack.procs[1].pid, stack.proxy_port
     health = f"http://127.0.0.1:{port}/healthz"
     try:
-        asyncio.run(run_round(port, 4 * args.concurrency, args.concurrency, args.stream, 10_000_000))  # warm up
+        make_body = agent_body if args.agent else body_for
+        asyncio.run(run_round(port, 4 * args.concurrency, args.concurrency, args.stream, 10_000_000, make_body))  # warm up
         while httpx.get(health, timeout=60).json()["writer_pending"]:
             time.sleep(0.2)
         callgrind("-i", "on", str(pid))
         callgrind("-z", str(pid))
-        _, _, rps, errors = asyncio.run(run_round(port, args.n, args.concurrency, args.stream, 0))
+        _, _, rps, errors = asyncio.run(run_round(port, args.n, args.concurrency, args.stream, 0, make_body))
         callgrind("-d", str(pid))
         callgrind("-i", "off", str(pid))
         total = total_instructions(out_dir, pid)
         print(f"{args.tree.resolve().name}: {args.n} calls, concurrency {args.concurrency}, stream={args.stream}, "
-              f"{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in the proxy process")
+              f"{'agent-sized, ' if args.agent else ''}{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in the proxy process")
     finally:
         stack.stop()
     return 0

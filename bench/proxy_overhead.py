@@ -127,7 +127,8 @@ def body_for(i: int, stream: bool) -> dict:
                                                      f"and explain what module {i % 17} does, briefly."}]}
 
 
-async def run_round(port: int, n: int, concurrency: int, stream: bool, start: int) -> tuple[list[float], list[float], float, int]:
+async def run_round(port: int, n: int, concurrency: int, stream: bool, start: int,
+                    make_body: Callable[[int, bool], dict] = body_for) -> tuple[list[float], list[float], float, int]:
     conns = [Conn(port) for _ in range(concurrency)]
     await asyncio.gather(*(c.open() for c in conns))
     lat, ttfb, errors = [], [], 0
@@ -136,7 +137,7 @@ async def run_round(port: int, n: int, concurrency: int, stream: bool, start: in
     async def worker(c: Conn) -> None:
         nonlocal errors
         for i in counter:
-            tb, total, status = await c.request(encode(port, "/v1/chat/completions", body_for(i, stream)), stream)
+            tb, total, status = await c.request(encode(port, "/v1/chat/completions", make_body(i, stream)), stream)
             if status != 200:
                 errors += 1
             lat.append(total)

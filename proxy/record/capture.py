@@ -248,19 +248,39 @@ def compact_logprobs(values: Sequence[float]) -> Sequence[float]:
 
 
 _LEAVES = (str, bytes, int, float, array, type(None))  # tuples, not `A | B`: built once, checked per object
+_LEAF_TYPES = frozenset({str, bytes, int, float, bool, array, type(None)})  # exact types: one set lookup
+_getsizeof = sys.getsizeof
 _SEQS = (list, tuple)
 
 
 def _deep_size(x: Any, depth: int = 0) -> int:
-    if isinstance(x, _LEAVES) or depth > 32:  # past 32 levels (pathological): the container only
-        return sys.getsizeof(x)
+    """Bytes held by `x` and what it contains. JSON-shaped data (dicts, lists, strings, numbers) is
+    walked with a leaf's size taken in place rather than through another call: a real agent's tool
+    schemas (Claude Code's 63 KB) took 408 us a call the plain recursive way, 181 us so."""
+    t = type(x)
+    if t in _LEAF_TYPES or depth > 32:  # past 32 levels (pathological): the container only
+        return _getsizeof(x)
+    if t is dict:
+        n = _getsizeof(x)
+        for k, v in x.items():
+            n += _getsizeof(k) if type(k) in _LEAF_TYPES else _deep_size(k, depth + 1)
+            n += _getsizeof(v) if type(v) in _LEAF_TYPES else _deep_size(v, depth + 1)
+        return n
+    if t is list or t is tuple:
+        n = _getsizeof(x)
+        for v in x:
+            n += _getsizeof(v) if type(v) in _LEAF_TYPES else _deep_size(v, depth + 1)
+        return n
+    # subclasses and other objects, the general way
+    if isinstance(x, _LEAVES):
+        return _getsizeof(x)
     if isinstance(x, dict):
-        return sys.getsizeof(x) + sum(_deep_size(k, depth + 1) + _deep_size(v, depth + 1) for k, v in x.items())
+        return _getsizeof(x) + sum(_deep_size(k, depth + 1) + _deep_size(v, depth + 1) for k, v in x.items())
     if isinstance(x, _SEQS):
-        return sys.getsizeof(x) + sum(_deep_size(v, depth + 1) for v in x)
+        return _getsizeof(x) + sum(_deep_size(v, depth + 1) for v in x)
     if hasattr(x, "__dict__"):
-        return sys.getsizeof(x) + _deep_size(vars(x), depth + 1)
-    return sys.getsizeof(x)
+        return _getsizeof(x) + _deep_size(vars(x), depth + 1)
+    return _getsizeof(x)
 
 
 # The dataclass, its session, ids, times and counts: bench/held_step.py traces about 950 bytes beyond

@@ -6,10 +6,12 @@ acknowledges, as with a writer that lags), no database."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import pickle
 import random
 import struct
+import sys
 import tracemalloc
 import uuid
 from datetime import UTC, datetime
@@ -135,3 +137,39 @@ def test_a_capture_keeps_ids_no_engine_would_send_as_they_came():
     for ids in ([1, 2], [3, 2**40], [None], [4]):
         cap.feed_chunk({"id": "c", "model": "m", "choices": [{"index": 0, "delta": {}, "token_ids": ids}]})
     assert list(cap.output_token_ids) == [1, 2, 3, 2**40, None, 4]
+
+
+def _plain_size(x: Any, depth: int = 0) -> int:
+    """The plain recursive definition `_deep_size` computes faster."""
+    if isinstance(x, (str, bytes, int, float, array.array, type(None))) or depth > 32:
+        return sys.getsizeof(x)
+    if isinstance(x, dict):
+        return sys.getsizeof(x) + sum(_plain_size(k, depth + 1) + _plain_size(v, depth + 1) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return sys.getsizeof(x) + sum(_plain_size(v, depth + 1) for v in x)
+    if hasattr(x, "__dict__"):
+        return sys.getsizeof(x) + _plain_size(vars(x), depth + 1)
+    return sys.getsizeof(x)
+
+
+def test_the_size_walk_counts_what_the_plain_recursion_counts():
+    from proxy.record.capture import _deep_size
+    from tests.redaction_corpus import client_operator_content
+
+    class Tag(str):
+        pass
+
+    @dataclasses.dataclass
+    class Box:
+        inner: Any
+
+    nested: Any = "leaf"
+    for _ in range(40):  # deeper than the walk goes
+        nested = [nested]
+    odd = [{("tuple", "key"): [1, 2.5, True, None, b"x"]}, (Tag("sub"), Box({"a": [Tag("b")]})), nested,
+           array.array("i", range(10)), {"n": {"m": ["x" * 300, {"deep": [[{}]]}]}}]
+    for client, content in client_operator_content().items():
+        for part in (content.get("tools"), content.get("system")):
+            assert _deep_size(part) == _plain_size(part), client
+    for x in odd:
+        assert _deep_size(x) == _plain_size(x), x
