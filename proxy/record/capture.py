@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import orjson
+
 from proxy.translate.chunks import Chunk, read_chunk, read_completion
 
 
@@ -297,11 +299,33 @@ def held_bytes(step: Any) -> int:
         return _deep_size(step)
     n = _STEP_BASE + sys.getsizeof(step.prompt_token_ids) + sys.getsizeof(step.output_token_ids)
     n += sys.getsizeof(step.output_logprobs)
-    for part in (step.system, step.tools, step.new_messages, step.tool_results, step.params, step.action,
-                 step.error, step.client_info, step.history_extras, step.output_versions):
+    n += _repeated_size(step.system) + _repeated_size(step.tools)
+    for part in (step.new_messages, step.tool_results, step.params, step.action, step.error, step.client_info,
+                 step.history_extras, step.output_versions):
         if part:
             n += _deep_size(part)
     return n
+
+
+_REPEATED: dict[int, int] = {}  # hash of a part's JSON -> its size; cleared when full (no lock needed)
+
+
+def _repeated_size(part: Any) -> int:
+    """`_deep_size` of a part an agent resends unchanged on every call (its system prompt, its tool
+    schemas), looked up by the hash of its JSON: serialising and hashing Hermes' 17 tool schemas
+    takes 18 us, walking them 179. A collision of the 64-bit hash would only misjudge one estimate."""
+    if not part:
+        return 0
+    try:
+        key = hash(orjson.dumps(part))
+    except (TypeError, orjson.JSONEncodeError):  # not JSON-shaped: walk it
+        return _deep_size(part)
+    size = _REPEATED.get(key)
+    if size is None:
+        if len(_REPEATED) >= 4096:
+            _REPEATED.clear()
+        size = _REPEATED[key] = _deep_size(part)
+    return size
 
 
 def spans_to_versions(spans: list[dict[str, Any]], n_tokens: int) -> list[str] | None:

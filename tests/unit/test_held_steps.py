@@ -17,6 +17,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 import pytest
 
 from proxy.config import Settings
@@ -173,3 +174,16 @@ def test_the_size_walk_counts_what_the_plain_recursion_counts():
             assert _deep_size(part) == _plain_size(part), client
     for x in odd:
         assert _deep_size(x) == _plain_size(x), x
+
+
+def test_a_resent_system_prompt_or_tool_list_is_sized_as_the_walk_sizes_it():
+    from proxy.record.capture import _deep_size, _repeated_size
+    from tests.redaction_corpus import client_operator_content
+
+    for content in client_operator_content().values():
+        for part in (content["tools"], content["system"]):
+            first, again = orjson.loads(orjson.dumps(part)), orjson.loads(orjson.dumps(part))  # as two calls parse it
+            assert _repeated_size(first) == _repeated_size(again) == _deep_size(again)
+    odd = [{"set": {1, 2}}, {"n": 1}]  # not JSON: walked
+    assert _repeated_size(odd) == _deep_size(odd)
+    assert _repeated_size(None) == _repeated_size([]) == 0
