@@ -25,8 +25,9 @@ CARD = "4111 1111 1111 1111"
 
 
 def claude_code_system_excerpt() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Claude Code's captured system blocks, the long one cut to its `# Environment` section (the tiny
-    test model serves 2048 tokens; the whole prompt is ~9k), and its two smallest tool schemas."""
+    """Claude Code's captured system blocks, the long one cut to its `# Environment` section (the part
+    with the model ids and paths that redaction must leave alone; the whole prompt is ~9k tokens, which
+    the shared engine serves but this test does not need), and its two smallest tool schemas."""
     content = client_operator_content()["claude-code"]
     blocks = content["system"]["system"]
     head, long = blocks[:2], blocks[2]
