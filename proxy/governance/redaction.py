@@ -35,24 +35,22 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from proxy.governance.recognizers import recognizer_classes
+from proxy.governance.scan_gates import LiteralGate, key_matters, key_says_secret
 from proxy.governance.secrets import (
     _AUTH_KEY,
     _AUTH_VALUE,
     _PRESIDIO_GATES,
     _SECRET_GATES,
-    _SECRET_KEY,
     _SECRET_RULES,
     BENIGN_VALUES,
     DEFAULT_ENTITIES,
     DEFAULT_NER_ENTITIES,
     NER_ENTITIES,
     SECRET_ENTITIES,
-    _is_reference,
     _kv_span,
     _merge,
     glued,
     kv_matches,
-    looks_secret,
 )
 
 _LANGUAGE = "en"
@@ -117,6 +115,7 @@ class _Scan:
     counts: Counter[str]
     found: list[tuple[str, str]] | None
     operator: bool = False
+    memo: dict[tuple, tuple] | None = None  # (text, key, operator, tenant) -> a leaf's scan, in one batch
 
 
 def _hash_key(salt: bytes, tenant: str) -> bytes:
@@ -186,10 +185,12 @@ class Redactor:
         ]
         self._secret_rules = [r for r in _SECRET_RULES if r.entity in self.entities]
         self._secret_gates = {e: g for e, g in _SECRET_GATES.items() if e in self.entities}
+        self._literal_gate = LiteralGate(self._secret_gates)
         self._ner_entities = [e for e in self.entities if e in NER_ENTITIES]
         self._allow = frozenset(cfg.allow_list) | BENIGN_VALUES
         # Object keys repeat endlessly (`type`, `description`, `properties`): remember the clean ones.
         self._clean_keys: set[str] = set()
+        self._clean_leaves: set[tuple[str, str | None, bool]] = set()  # so do `assistant`, `stop`, ...
 
     def _load_ner(self, name: str) -> None:
         import logging
@@ -239,7 +240,8 @@ class Redactor:
                     found.append((r.start, r.end, r.entity_type, score))
 
         lowered = text.lower()
-        for entity, (literals, on_lowered) in self._secret_gates.items():
+        gates = self._secret_gates.items() if self._literal_gate.may_match(text, lowered) else ()
+        for entity, (literals, on_lowered) in gates:
             haystack = lowered if on_lowered else text
             if not any(lit in haystack for lit in literals):
                 continue
@@ -319,9 +321,12 @@ class Redactor:
         unchanged when nothing in it was found. A number found to be PII becomes its placeholder string.
         `found`: as for `redact_text`; `operator`: secrets only (system prompts, tool schemas).
         """
+        return self._redact(value, tenant, found, operator, None)
+
+    def _redact(self, value: Any, tenant: str, found: list[tuple[str, str]] | None, operator: bool,
+                memo: dict[tuple, tuple] | None) -> tuple[Any, dict[str, int]]:
         counts: Counter[str] = Counter()
-        scan = _Scan(tenant, counts, found, operator)
-        return self._walk(value, scan, None), dict(counts)
+        return self._walk(value, _Scan(tenant, counts, found, operator, memo), None), dict(counts)
 
     def redact_many(self, items: list[tuple[str, Any]], *, with_values: bool = False,
                     operator: Sequence[bool] | None = None) -> list[tuple]:
@@ -330,13 +335,14 @@ class Redactor:
         (for the token guard; raw, so keep them in memory only). `operator[i]`: item i is operator
         content (secrets only)."""
         out: list[tuple] = []
+        memo: dict[tuple, tuple] = {}  # a text in several items (a model's text and its message) once
         for i, (tenant, value) in enumerate(items):
             op = bool(operator[i]) if operator is not None else False
             if not with_values:
-                out.append(self.redact_value(value, tenant, operator=op))
+                out.append(self._redact(value, tenant, None, op, memo))
                 continue
             found: list[tuple[str, str]] = []
-            body, counts = self.redact_value(value, tenant, found=found, operator=op)
+            body, counts = self._redact(value, tenant, found, op, memo)
             out.append((body, counts, found))
         return out
 
@@ -385,6 +391,26 @@ class Redactor:
         return result.text
 
     def _leaf(self, text: str, scan: _Scan, key: str | None) -> str:
+        # Scanned once per batch, short clean ones once per process (`key_matters` says when it may).
+        if key is not None and not key_matters(key):
+            key = None
+        if (text, key, scan.operator) in self._clean_leaves:
+            return text
+        memo_key = (text, key, scan.operator, scan.tenant)
+        hit = scan.memo.get(memo_key) if scan.memo is not None else None
+        if hit is None:
+            inner = _Scan(scan.tenant, Counter(), [], scan.operator, scan.memo)
+            hit = (self._scan_leaf(text, inner, key), inner.counts, inner.found)
+            if not inner.counts and len(text) <= 64 and len(self._clean_leaves) < 50_000:
+                self._clean_leaves.add((text, key, scan.operator))
+            elif scan.memo is not None:
+                scan.memo[memo_key] = hit
+        scan.counts.update(hit[1])
+        if scan.found is not None:
+            scan.found.extend(hit[2] or ())
+        return hit[0]
+
+    def _scan_leaf(self, text: str, scan: _Scan, key: str | None) -> str:
         stripped = text.strip()
         if len(stripped) >= 2 and stripped[0] in "{[" and stripped[-1] in "}]":
             try:
@@ -392,7 +418,7 @@ class Redactor:
             except ValueError:
                 parsed = None
             if isinstance(parsed, (dict, list)):
-                inner = _Scan(scan.tenant, Counter(), [], scan.operator)
+                inner = _Scan(scan.tenant, Counter(), [], scan.operator, scan.memo)
                 redacted = self._walk(parsed, inner, None)
                 if not inner.counts:
                     return text
@@ -404,7 +430,7 @@ class Redactor:
         result = self.redact_text(text, scan.tenant, found=leaf_found, key=key, operator=scan.operator)
         # The key of a dict leaf is context the text itself lacks: {"api_key": "..."},
         # {"Authorization": "Bearer ..."}. Used when the value alone showed nothing.
-        if not result.counts and key is not None and self._key_says_secret(key, text):
+        if not result.counts and key is not None and key_says_secret(key, text):
             entity = "AUTH_HEADER" if _AUTH_KEY.search(key) else "HIGH_ENTROPY_SECRET"
             if entity in self.entities and text.strip() not in self._allow:
                 m = _AUTH_VALUE.match(text) if entity == "AUTH_HEADER" else None
@@ -418,15 +444,6 @@ class Redactor:
         if scan.found is not None:
             scan.found.extend(leaf_found)
         return result.text
-
-    @staticmethod
-    def _key_says_secret(key: str, value: str) -> bool:
-        if _AUTH_KEY.search(key):
-            m = _AUTH_VALUE.match(value)
-            return bool(m) and not _is_reference(m.group("s")) and len(m.group("s")) >= 8
-        if _SECRET_KEY.search(key):
-            return looks_secret(value, key, quoted=True)
-        return False
 
 
 # pydantic's validation messages quote the offending input (`input_value='...'`), cut in the middle when

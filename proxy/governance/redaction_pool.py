@@ -129,8 +129,8 @@ class RedactionPool:
         next batch while this one is scanned."""
         if not items:
             return PendingRedaction([], [])
-        sizes = [_text_size(v) for _, v in items]
-        if self._executor is None or len(items) == 1 or sum(sizes) < self.inline_chars:
+        sizes = [_text_size(v) for _, v in items] if self._executor is not None and len(items) > 1 else []
+        if not sizes or sum(sizes) < self.inline_chars:
             done = self.local.redact_many(items, with_values=with_values, operator=operator)
             return PendingRedaction([list(range(len(items)))], [_Done(done)])
         # Balance by text size, not item count: one 40 KB tool result must not sit with ten others.
