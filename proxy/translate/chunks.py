@@ -45,12 +45,22 @@ def error_message(chunk: dict[str, Any]) -> str | None:
 
 def read_chunk(chunk: dict[str, Any]) -> Chunk:
     """One streamed `chat.completion.chunk` (choice 0 only: atdp records n=1)."""
-    error = error_message(chunk)
-    if error is not None:
-        return Chunk(chunk.get("id"), chunk.get("model"), error, None, None, False, (), (), None, None, (), None, None)
-    ids = chunk.get("prompt_token_ids")
-    prompt_ids = ids if isinstance(ids, list) else None
-    return _with_choice(chunk, prompt_ids, chunk.get("usage") or None, "delta")
+    get = chunk.get
+    if get("error") or get("object") == "error":  # (`error_message`'s test, inline: once per token)
+        return Chunk(get("id"), get("model"), error_message(chunk), None, None, False, (), (), None, None, (), None,
+                     None)
+    ids = get("prompt_token_ids")
+    choices = get("choices")
+    # The common chunk, one token or a few: its one choice read here, without the general path's calls.
+    if (type(choices) is list and len(choices) == 1 and type(c := choices[0]) is dict and c.get("index", 0) == 0
+            and type(delta := c.get("delta")) is dict and "tool_calls" not in delta and "reasoning" not in delta
+            and "reasoning_content" not in delta):
+        lp = c.get("logprobs")
+        return Chunk(get("id"), get("model"), None, ids if isinstance(ids, list) else None, get("usage") or None,
+                     True, c.get("token_ids") or (), (lp.get("content") or ()) if isinstance(lp, dict) else (),
+                     delta.get("content") or None, None, (), c.get("finish_reason") or None, c.get("stop_reason"),
+                     c.get("weight_versions") or ())
+    return _with_choice(chunk, ids if isinstance(ids, list) else None, get("usage") or None, "delta")
 
 
 def read_completion(completion: dict[str, Any]) -> Chunk:

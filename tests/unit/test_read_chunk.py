@@ -1,0 +1,85 @@
+"""`read_chunk`'s fast path for the common chunk (one choice, text and tokens) reads what the general
+path reads, and the capture keeps what it kept (ids and logprobs compact, odd values as before)."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from proxy.record.capture import ChatCapture
+from proxy.translate.chunks import _with_choice, read_chunk
+
+
+def _general(chunk: dict) -> tuple | type:
+    ids = chunk.get("prompt_token_ids")
+    try:
+        return _with_choice(chunk, ids if isinstance(ids, list) else None, chunk.get("usage") or None, "delta")
+    except Exception as e:  # a malformed chunk fails as it always did
+        return type(e)
+
+
+def _fast(chunk: dict) -> tuple | type:
+    try:
+        return read_chunk(chunk)
+    except Exception as e:
+        return type(e)
+
+
+def _lp(*values: float) -> dict:
+    return {"content": [{"token": "x", "logprob": v, "bytes": [120], "top_logprobs": []} for v in values]}
+
+
+BASE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+CHOICES = [
+    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+    {"index": 0, "delta": {"content": "Hel"}, "logprobs": _lp(-0.5, -0.25), "finish_reason": None, "token_ids": [7, 8]},
+    {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop", "stop_reason": 32000, "token_ids": []},
+    {"index": 0, "delta": {"content": "x"}, "logprobs": {"content": None}, "token_ids": [1],
+     "weight_versions": [{"version": "v1", "start": 0, "end": 1}]},
+    {"delta": {"content": "no index"}, "token_ids": [3]},
+    {"index": 0, "delta": {"reasoning_content": "think"}, "token_ids": [4]},
+    {"index": 0, "delta": {"reasoning": "think"}, "token_ids": [4]},
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{"}}]}},
+    {"index": 1, "delta": {"content": "second choice"}},
+    {"index": 0, "delta": None, "finish_reason": "length"},
+    {"index": 0, "delta": "not an object"},
+    {"index": 0, "message": {"content": "a message, not a delta"}},
+]
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+@pytest.mark.parametrize("extra", [{}, {"prompt_token_ids": [1, 2, 3]}, {"usage": {"prompt_tokens": 3}}])
+def test_the_fast_path_reads_what_the_general_path_reads(choice: dict, extra: dict) -> None:
+    chunk = {**BASE, **extra, "choices": [choice]}
+    assert _fast(chunk) == _general(chunk)
+
+
+@pytest.mark.parametrize("chunk", [
+    {**BASE, "choices": []},
+    {**BASE, "choices": [CHOICES[1], {**CHOICES[1], "index": 1}]},
+    {**BASE, "choices": [{**CHOICES[1], "index": 1}, CHOICES[1]]},
+    {**BASE, "choices": None, "usage": {"prompt_tokens": 3}},
+    {**BASE, "choices": ["not an object"]},
+])
+def test_other_shapes_take_the_general_path(chunk: dict) -> None:
+    assert _fast(chunk) == _general(chunk)
+
+
+def test_an_error_chunk_is_an_error() -> None:
+    for chunk in ({"error": {"message": "boom"}}, {"object": "error", "message": "boom"}):
+        part = read_chunk(chunk)
+        assert part.error == "boom" and not part.has_choice
+
+
+def test_the_capture_keeps_ids_and_logprobs_compact() -> None:
+    cap = ChatCapture()
+    for choice in CHOICES[:4]:
+        cap.feed_chunk({**BASE, "choices": [choice]})
+    assert cap.output_token_ids == array("i", [7, 8, 1]) and isinstance(cap.output_token_ids, array)
+    assert cap.output_logprobs == array("f", [-0.5, -0.25]) and isinstance(cap.output_logprobs, array)
+    assert cap.output_text == "Helx" and cap.finish_reason == "stop" and cap.stop_reason == 32000
+    # A logprob sent as a numeric string (no engine does) is read as float() reads it, as before.
+    cap.feed_chunk({**BASE, "choices": [{"index": 0, "delta": {"content": "y"}, "logprobs": _lp("-1.5"),
+                                         "token_ids": [9]}]})
+    assert cap.output_logprobs[-1] == -1.5
