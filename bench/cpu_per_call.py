@@ -6,7 +6,8 @@ Throughput on a shared 2-core machine mostly measures the neighbours; CPU second
 calls closed-loop at --concurrency, then waits for the writer to drain and reports ms of CPU per call
 for each process during the load and including the drain.
 
-  python bench/cpu_per_call.py [--n 3000] [--concurrency 32] [--stream | --no-stream]
+  python bench/cpu_per_call.py [--n 3000] [--concurrency 32] [--stream | --no-stream] [--agent]
+                                # --agent: Hermes' system prompt and 17 tool schemas in every call
   python bench/cpu_per_call.py --with-provider-route [--rounds 6]   # the same proxy with and without a
                                                                     # LiteLLM provider route, interleaved
 
@@ -22,7 +23,8 @@ import time
 from collections import defaultdict
 
 import httpx
-from proxy_overhead import run_round, start_stack
+from instructions_per_call import agent_body
+from proxy_overhead import body_for, run_round, start_stack
 
 
 def cpu_seconds(pid: int) -> float:
@@ -60,25 +62,28 @@ def main() -> int:
     ap.add_argument("--with-provider-route", action="store_true",
                     help="compare the proxy without and with a provider route (rounds of --n/--rounds calls each)")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--agent", action="store_true", help="agent-sized calls (Hermes' system prompt and tools)")
     args = ap.parse_args()
     if args.with_provider_route:
         return compare_routes(args)
 
+    make_body = agent_body if args.agent else body_for
     stack = start_stack()
     procs, proxy_port = stack.procs, stack.proxy_port
     health = f"http://127.0.0.1:{proxy_port}/healthz"
     try:
-        asyncio.run(run_round(proxy_port, 400, args.concurrency, args.stream, 10_000_000))  # warm up
+        asyncio.run(run_round(proxy_port, 400, args.concurrency, args.stream, 10_000_000, make_body))  # warm up
         while httpx.get(health).json()["writer_pending"]:
             time.sleep(0.2)
         pids = process_tree(procs[1].pid) + [procs[0].pid]
         before = {p: cpu_seconds(p) for p in pids}
-        _, _, rps, errors = asyncio.run(run_round(proxy_port, args.n, args.concurrency, args.stream, 0))
+        _, _, rps, errors = asyncio.run(run_round(proxy_port, args.n, args.concurrency, args.stream, 0, make_body))
         loaded = {p: cpu_seconds(p) for p in pids}
         while httpx.get(health).json()["writer_pending"]:
             time.sleep(0.2)
         drained = {p: cpu_seconds(p) for p in pids}
-        print(f"{args.n} calls, concurrency {args.concurrency}, stream={args.stream}: {rps:.0f} req/s, {errors} errors; "
+        print(f"{args.n} {'agent-sized ' if args.agent else ''}calls, concurrency {args.concurrency}, "
+              f"stream={args.stream}: {rps:.0f} req/s, {errors} errors; "
               f"load average {os.getloadavg()[0]:.1f}")
         print("| process | CPU ms/call during the load | CPU ms/call including the writer's drain |")
         print("| --- | --- | --- |")

@@ -25,7 +25,7 @@ from proxy import providers, telemetry
 from proxy.auth import Principal, header_map
 from proxy.errors import ApiError
 from proxy.providers import ProviderResponse, ProviderRoute
-from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras
+from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras, shared
 from proxy.sessions import (
     Continuation,
     SessionRef,
@@ -309,7 +309,7 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
     step = CapturedStep(
         step_id=call.step_id, session=call.session, api=call.api, started_at=call.started_at,
         parent_step_id=parent.step_id if parent and parent.step_id else None,
-        history_len=call.continuation.history_len, system=call.system, tools=call.tools,
+        history_len=call.continuation.history_len, system=shared(call.system), tools=shared(call.tools),
         new_messages=call.new_messages, tool_results=call.tool_results, params=call.params,
         action=cap.action(native_output, tool_names), prompt_token_ids=cap.prompt_token_ids,
         output_token_ids=cap.output_token_ids, output_logprobs=cap.output_logprobs,

@@ -192,12 +192,20 @@ class Preparer:
         planned: list[tuple[CapturedStep, dict[str, Any]]] = []
         todo: dict[tuple[str, str], tuple[str, Any]] = {}
         side_todo: dict[tuple[str, str], Any] = {}
+        # A system prompt or tool list steps share as one object (capture.shared) is hashed once; the
+        # steps hold these objects until the batch is done, so an id is not reused meanwhile.
+        hashed: dict[int, str] = {}
         for st in steps:
             tenant = st.session.tenant
             items: dict[str, Any] = {}
 
             def add(kind: str, value: Any, tenant: str = tenant, items: dict = items) -> str:
-                h = content_hash(self.secret, value)
+                shareable = kind == "system" or kind == "tools"
+                h = hashed.get(id(value)) if shareable else None
+                if h is None:
+                    h = content_hash(self.secret, value)
+                    if shareable:
+                        hashed[id(value)] = h
                 items.setdefault(h, (kind, value))
                 if content_key(tenant, h) not in self._known:
                     todo.setdefault((tenant, h), (kind, value))

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from proxy.config import Settings
 from proxy.governance.policies import Policies
-from proxy.record.capture import CapturedStep, held_bytes
+from proxy.record.capture import CapturedStep, held_bytes, shared_parts
 from proxy.record.durability import InFlight, WriterHealth
 from proxy.record.recorder import Item, Recorder
 from proxy.record.spool import Spool
@@ -65,7 +65,8 @@ class _Held:
     seq: int  # submission order: re-sent batches keep it (a session's steps are numbered in this order)
     since: float  # monotonic time it was submitted
     item: Item
-    size: int  # capture.held_bytes: what holding it costs
+    size: int  # capture.held_bytes: what holding it costs, less its shared parts
+    parts: list[tuple[int, int]] = field(default_factory=list)  # capture.shared_parts: counted once for all
 
 
 class WriterProcess:
@@ -97,6 +98,7 @@ class WriterProcess:
         self._unacked: dict[int, list[_Held]] = {}  # sent, not yet acknowledged
         self._held = 0
         self._held_bytes = 0
+        self._parts: dict[int, list[int]] = {}  # a shared part's id -> [steps holding it, its size]
         self._hold_limit = int(settings.writer_hold_mb * 2**20)
         self._retry_at = 0.0  # after a nack: when to send again
         self._nacks = 0
@@ -118,13 +120,14 @@ class WriterProcess:
         if isinstance(item, CapturedStep):
             self.submitted += 1
             self.inflight.add(item)
-        held = _Held(next(self._seq), time.monotonic(), item, held_bytes(item))
+        parts = shared_parts(item) if isinstance(item, CapturedStep) else []
+        held = _Held(next(self._seq), time.monotonic(), item, held_bytes(item) - sum(n for _, n in parts), parts)
         with self._cond:
             # `refusing()` stops new calls at the bounds; these are calls admitted before it did.
             if self._held < 2 * self.settings.queue_size and self._held_bytes < 2 * self._hold_limit:
                 self._pending.append(held)
                 self._held += 1
-                self._held_bytes += held.size
+                self._held_bytes += held.size + self._take_parts(held.parts)
                 # Wake the sender only when it has something new to do: a first item (it sleeps until
                 # one comes) or a full batch (send now, not at the deadline). In between it is waiting
                 # for the batch's deadline anyway; a wake per call cost a thread switch per call.
@@ -264,6 +267,7 @@ class WriterProcess:
             self._unacked.clear()
             self._pending.clear()
             self._held = self._held_bytes = 0
+            self._parts.clear()
             self._closed = True
             self._cond.notify_all()
         if left:
@@ -385,13 +389,36 @@ class WriterProcess:
         """Put items back to be sent again, in submission order (caller holds _cond)."""
         self._pending = deque(sorted([*items, *self._pending], key=lambda h: h.seq))
         self._held += len(items)
-        self._held_bytes += sum(h.size for h in items)
+        self._held_bytes += sum(h.size + self._take_parts(h.parts) for h in items)
         self._cond.notify_all()
 
     def _release(self, items: list[_Held]) -> None:
         """Items no longer held: acknowledged, or about to be requeued (caller holds _cond)."""
         self._held -= len(items)
-        self._held_bytes -= sum(h.size for h in items)
+        self._held_bytes -= sum(h.size + self._drop_parts(h.parts) for h in items)
+
+    def _take_parts(self, parts: list[tuple[int, int]]) -> int:
+        """Bytes the held total grows by as these shared parts are held once more (caller holds _cond):
+        a part's size the first time, nothing while another held step has it."""
+        grown = 0
+        for pid, size in parts:
+            if (entry := self._parts.get(pid)) is not None:
+                entry[0] += 1
+            else:
+                self._parts[pid] = [1, size]
+                grown += size
+        return grown
+
+    def _drop_parts(self, parts: list[tuple[int, int]]) -> int:
+        """Bytes the held total shrinks by as these shared parts are held once less (caller holds _cond)."""
+        shrunk = 0
+        for pid, _ in parts:
+            entry = self._parts[pid]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._parts[pid]
+                shrunk += entry[1]
+        return shrunk
 
     def _supervise(self) -> None:
         failures, started = 0, time.monotonic()

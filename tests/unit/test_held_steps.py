@@ -187,3 +187,36 @@ def test_a_resent_system_prompt_or_tool_list_is_sized_as_the_walk_sizes_it():
     odd = [{"set": {1, 2}}, {"n": 1}]  # not JSON: walked
     assert _repeated_size(odd) == _deep_size(odd)
     assert _repeated_size(None) == _repeated_size([]) == 0
+
+
+def test_a_shared_system_prompt_and_tool_list_count_once_while_held(tmp_path):
+    """Steps that hold one shared object (`capture.shared`: an agent's resent prompt and tools) cost
+    its size once, as memory holds it once; it leaves the total with the last step holding it."""
+    from proxy.record.capture import _repeated_size, shared
+    from tests.redaction_corpus import client_operator_content
+
+    tools = client_operator_content()["hermes"]["tools"]
+    size = _repeated_size(orjson.loads(orjson.dumps(tools)))
+    wp = WriterProcess(_settings(tmp_path, writer_hold_mb=64), Policies())
+    plan = _chunks(20, 8, random.Random(2))
+    own = [dataclasses.replace(_step(plan), tools=orjson.loads(orjson.dumps(tools))) for _ in range(5)]
+    for st in own:  # each its own object: each counted
+        wp.submit(st)
+    alone = wp.health().held_bytes
+    assert alone >= 5 * size
+    held = [dataclasses.replace(_step(plan), tools=shared(orjson.loads(orjson.dumps(tools)))) for _ in range(5)]
+    for st in held:
+        wp.submit(st)
+    together = wp.health().held_bytes - alone
+    assert size <= together < size + 5 * (alone / 5 - size) + 1  # the tools once, plus each step's own
+    with wp._cond:  # as the sender takes a batch, and the child acknowledges it
+        batch = [wp._pending.popleft() for _ in range(len(wp._pending))]
+        wp._release(batch[5:9])  # four of the five acknowledged: the fifth still holds the tools
+    assert wp.health().held_bytes >= alone + size
+    with wp._cond:
+        wp._release(batch[9:])
+        wp._requeue(batch[9:])  # refused (a nack): held again, the tools counted again
+    assert wp.health().held_bytes >= alone + size
+    with wp._cond:
+        wp._release(batch[:5] + [wp._pending.popleft()])
+    assert wp.health().held_bytes == 0 and not wp._parts and not wp._pending

@@ -1,0 +1,104 @@
+"""A system prompt or tool list an agent resends is held as one object across its steps
+(`capture.shared`): a batch to the writer carries it once, and the writer hashes it once."""
+
+from __future__ import annotations
+
+import pickle
+
+import orjson
+import pytest
+
+from proxy.record import capture
+from proxy.record.capture import _deep_size, _repeated_size, shared
+from tests.redaction_corpus import client_operator_content
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    capture._REPEATED.clear()
+    capture._REPEATED_IDS.clear()
+    capture._repeated_held[0] = 0
+    yield
+
+
+def _parsed(part):
+    return orjson.loads(orjson.dumps(part))  # as a new call parses it
+
+
+def test_equal_parts_become_one_object_and_different_ones_do_not() -> None:
+    tools = client_operator_content()["hermes"]["tools"]
+    first, again = _parsed(tools), _parsed(tools)
+    assert shared(first) is first and shared(again) is first
+    changed = _parsed(tools)
+    changed[0]["function"]["description"] += " (v2)"
+    assert shared(changed) is changed
+    assert shared(None) is None and shared([]) == []
+    odd = {"set": {1, 2}}  # not JSON: kept as it is
+    assert shared(odd) is odd
+
+
+def test_a_hash_collision_does_not_swap_one_part_for_another() -> None:
+    a, b = [{"name": "a"}], [{"name": "b"}]
+    key = hash(orjson.dumps(b))
+    capture._REPEATED[key] = (orjson.dumps(a), a, _deep_size(a))  # b's hash, a's JSON and object
+    assert shared(_parsed(b)) is not a
+    assert shared(_parsed(b)) == b
+
+
+def test_the_cache_is_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(capture, "_REPEATED_LIMIT", (4, 10**9))
+    parts = [[{"n": i}] for i in range(10)]
+    for p in parts:
+        shared(p)
+    assert len(capture._REPEATED) <= 4 and len(capture._REPEATED_IDS) == len(capture._REPEATED)
+    monkeypatch.setattr(capture, "_REPEATED_LIMIT", (1000, 2_000))
+    for i in range(50):
+        shared([{"text": "x" * 100, "i": i}])
+    assert capture._repeated_held[0] <= 2_000
+
+
+def test_sizes_are_the_walks_whether_shared_or_not() -> None:
+    for content in client_operator_content().values():
+        for part in (content["tools"], content["system"]):
+            first, again = _parsed(part), _parsed(part)
+            assert _repeated_size(first) == _repeated_size(shared(again)) == _repeated_size(again) == _deep_size(first)
+
+
+def test_a_batch_of_steps_carries_a_shared_part_once() -> None:
+    tools = client_operator_content()["claude-code"]["tools"]
+    one = len(pickle.dumps(_parsed(tools)))
+    alone = len(pickle.dumps([{"tools": _parsed(tools)} for _ in range(20)]))
+    held = len(pickle.dumps([{"tools": shared(_parsed(tools))} for _ in range(20)]))
+    assert alone > 19 * one and held < 1.1 * one
+    steps = pickle.loads(pickle.dumps([{"tools": shared(_parsed(tools))} for _ in range(3)]))
+    assert steps[0]["tools"] is steps[1]["tools"] is steps[2]["tools"]  # one object in the writer too
+
+
+def test_the_writer_records_shared_parts_as_it_records_separate_ones(monkeypatch) -> None:
+    from proxy.governance.redaction import RedactionConfig, Redactor
+    from proxy.record import prepare as prep
+    from tests.unit.test_prepare_redaction import preparer, step
+
+    redactor = Redactor(RedactionConfig(salt=b"t"))
+    hermes = client_operator_content()["hermes"]
+    system = {"role": "system", "content": hermes["system"][0]["content"] + " Reach me at maria@example.com."}
+
+    def steps(share):
+        pick = shared if share else (lambda p: p)
+        return [step(messages=[{"role": "user", "content": f"turn {i}"}], system=pick(_parsed(system)),
+                     tools=pick(_parsed(hermes["tools"])), prompt=f"turn {i}") for i in range(4)]
+
+    hashes = []
+    real_hash = prep.content_hash
+    monkeypatch.setattr(prep, "content_hash", lambda secret, value: hashes.append(1) or real_hash(secret, value))
+    alone = preparer(redactor).prepare(steps(False))
+    n_alone, hashes[:] = len(hashes), []
+    together = preparer(redactor).prepare(steps(True))
+    assert len(hashes) == n_alone - 2 * 3  # the system prompt and the tools once, not once per step
+
+    def view(rec):
+        return (rec.system_hash, rec.tools_hash, rec.redaction, sorted((c.hash, c.kind, orjson.dumps(c.body))
+                                                                      for c in rec.contents))
+
+    assert [view(r) for r in together] == [view(r) for r in alone]
+    assert together[0].redaction.get("EMAIL_ADDRESS") == 1 and together[0].contents
