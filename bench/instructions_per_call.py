@@ -11,6 +11,10 @@ natively, as do the scripted upstream and the load generator). Same set-up as cp
   python bench/instructions_per_call.py [--n 300] [--concurrency 8] [--stream | --no-stream]
   python bench/instructions_per_call.py --tree ../other-checkout   # that checkout's proxy, this load
   python bench/instructions_per_call.py --agent   # Hermes' real system prompt and 17 tool schemas (46 KB)
+  python bench/instructions_per_call.py --writer  # instead: the writer child's instructions per step
+                                                  # (redaction, records, the database writes; drain included)
+
+Hashing runs in software under valgrind (no SHA extensions), so changes to hashing are timed, not counted.
 """
 
 from __future__ import annotations
@@ -51,6 +55,19 @@ def hermes_content() -> dict:
     return client_operator_content()["hermes"]
 
 
+def writer_pid(proxy_pid: int, timeout_s: float = 60.0) -> int:
+    """The proxy's writer child (multiprocessing's spawn), valgrind-wrapped like its parent."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for task in Path(f"/proc/{proxy_pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+                if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                    return int(child)
+        time.sleep(0.5)
+    raise RuntimeError("no writer child found")
+
+
 def agent_body(i: int, stream: bool) -> dict:
     """The bench's call as Hermes sends it: its captured system prompt and tool schemas in front."""
     hermes = hermes_content()
@@ -67,12 +84,15 @@ def main() -> int:
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--agent", action="store_true", help="agent-sized calls (Hermes' system prompt and tools)")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose proxy runs (default: this one)")
+    ap.add_argument("--writer", action="store_true", help="count the writer child instead of the proxy")
     args = ap.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="callgrind-"))
-    wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--trace-children=no",
+    wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--trace-children={'yes' if args.writer else 'no'}",
             f"--callgrind-out-file={out_dir}/cg.%p"]
-    stack = start_stack(wrap=wrap, tree=args.tree.resolve(), start_timeout_s=900)
+    stack = start_stack(wrap=wrap, tree=args.tree.resolve(), start_timeout_s=1800 if args.writer else 900)
     pid, port = stack.procs[1].pid, stack.proxy_port
+    if args.writer:
+        pid = writer_pid(pid)
     health = f"http://127.0.0.1:{port}/healthz"
     try:
         make_body = agent_body if args.agent else body_for
@@ -82,11 +102,15 @@ def main() -> int:
         callgrind("-i", "on", str(pid))
         callgrind("-z", str(pid))
         _, _, rps, errors = asyncio.run(run_round(port, args.n, args.concurrency, args.stream, 0, make_body))
+        if args.writer:  # its steps are written once the load is over: the drain is the writer's work
+            while httpx.get(health, timeout=60).json()["writer_pending"]:
+                time.sleep(0.2)
         callgrind("-d", str(pid))
         callgrind("-i", "off", str(pid))
         total = total_instructions(out_dir, pid)
+        where = "the writer child, per step" if args.writer else "the proxy process"
         print(f"{args.tree.resolve().name}: {args.n} calls, concurrency {args.concurrency}, stream={args.stream}, "
-              f"{'agent-sized, ' if args.agent else ''}{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in the proxy process")
+              f"{'agent-sized, ' if args.agent else ''}{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in {where}")
     finally:
         stack.stop()
     return 0
