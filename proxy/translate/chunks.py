@@ -50,16 +50,6 @@ def read_chunk(chunk: dict[str, Any]) -> Chunk:
         return Chunk(get("id"), get("model"), error_message(chunk), None, None, False, (), (), None, None, (), None,
                      None)
     ids = get("prompt_token_ids")
-    choices = get("choices")
-    # The common chunk, one token or a few: its one choice read here, without the general path's calls.
-    if (type(choices) is list and len(choices) == 1 and type(c := choices[0]) is dict and c.get("index", 0) == 0
-            and type(delta := c.get("delta")) is dict and "tool_calls" not in delta and "reasoning" not in delta
-            and "reasoning_content" not in delta):
-        lp = c.get("logprobs")
-        return Chunk(get("id"), get("model"), None, ids if isinstance(ids, list) else None, get("usage") or None,
-                     True, c.get("token_ids") or (), (lp.get("content") or ()) if isinstance(lp, dict) else (),
-                     delta.get("content") or None, None, (), c.get("finish_reason") or None, c.get("stop_reason"),
-                     c.get("weight_versions") or ())
     return _with_choice(chunk, ids if isinstance(ids, list) else None, get("usage") or None, "delta")
 
 
@@ -70,7 +60,10 @@ def read_completion(completion: dict[str, Any]) -> Chunk:
 
 def _with_choice(chunk: dict[str, Any], prompt_ids: list[int] | None, usage: dict[str, Any] | None,
                  key: str) -> Chunk:
-    choice = first_choice(chunk)
+    choices = chunk.get("choices")
+    # One choice 0 (every chunk atdp asks for, n=1): taken without first_choice's search.
+    one = type(choices) is list and len(choices) == 1 and type(choices[0]) is dict and choices[0].get("index", 0) == 0
+    choice = choices[0] if one else first_choice(chunk)
     if choice is None:
         return Chunk(chunk.get("id"), chunk.get("model"), None, prompt_ids, usage, False, (), (), None, None, (),
                      None, None)

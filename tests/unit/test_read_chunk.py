@@ -1,4 +1,4 @@
-"""`read_chunk`'s fast path for the common chunk (one choice, text and tokens) reads what the general
+"""`read_chunk` (the error test inline, choice 0 taken without a search) reads what the general
 path reads, and the capture keeps what it kept (ids and logprobs compact, odd values as before)."""
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ CHOICES = [
 def test_the_fast_path_reads_what_the_general_path_reads(choice: dict, extra: dict) -> None:
     chunk = {**BASE, **extra, "choices": [choice]}
     assert _fast(chunk) == _general(chunk)
+    # Choice 0 taken directly reads as first_choice's search finds it (a tuple takes the search).
+    assert _fast(chunk) == _fast({**chunk, "choices": tuple(chunk["choices"])})
 
 
 @pytest.mark.parametrize("chunk", [
