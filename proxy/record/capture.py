@@ -343,6 +343,9 @@ def _repeated(part: Any) -> tuple[Any, int]:
     if hit is not None and hit[0] == raw:
         return hit[1], hit[2]
     size = _deep_size(part)
+    if hit is not None:  # a 64-bit collision: the newer part takes the slot, the older is forgotten
+        _REPEATED_IDS.pop(id(hit[1]), None)
+        _repeated_held[0] -= hit[2] + len(hit[0])
     if len(_REPEATED) >= _REPEATED_LIMIT[0] or _repeated_held[0] + size + len(raw) > _REPEATED_LIMIT[1]:
         _REPEATED.clear()
         _REPEATED_IDS.clear()

@@ -39,10 +39,13 @@ def test_equal_parts_become_one_object_and_different_ones_do_not() -> None:
 
 def test_a_hash_collision_does_not_swap_one_part_for_another() -> None:
     a, b = [{"name": "a"}], [{"name": "b"}]
-    key = hash(orjson.dumps(b))
-    capture._REPEATED[key] = (orjson.dumps(a), a, _deep_size(a))  # b's hash, a's JSON and object
+    assert shared(a) is a
+    # As if a's JSON hashed like b's: a's entry under b's key.
+    capture._REPEATED[hash(orjson.dumps(b))] = capture._REPEATED.pop(hash(orjson.dumps(a)))
     assert shared(_parsed(b)) is not a
     assert shared(_parsed(b)) == b
+    assert id(a) not in capture._REPEATED_IDS  # the forgotten part no longer counts as shared
+    assert capture._repeated_held[0] == sum(size + len(raw) for raw, _, size in capture._REPEATED.values())
 
 
 def test_the_cache_is_bounded(monkeypatch) -> None:
