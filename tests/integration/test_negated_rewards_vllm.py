@@ -11,13 +11,18 @@ the held-out sessions, learns the opposite of the task. Its version goes through
 trainer posts it, and the replay gate must reject it: the held-out prompts, answered greedily by both
 versions, score lower under it.
 
-The trainer settings (lr 3e-3, 2 PPO epochs) are chosen from an offline measurement
-over seeds (bench/negated_update.py; figures in docs/control-plane.md), not from this test's outcome.
+The trainer settings (lr 1e-2, 8 PPO epochs, clip-low 0.9) come from bench/negated_gate.sh, this
+test's own pipeline run over other sampling seeds (offsets 1-8; the test runs offset 0), not from this
+test's outcome. Under the default clip (a punished token may fall to 0.8 of its probability in one
+update) the negated update often left the greedy answers nearly unchanged: at lr 1e-2 and 4 epochs
+the held-out difference ranged -0.118 to -0.023 over offsets 1-4 here, and one CI run (another CPU)
+gave +0.007, so the version was rejected but not measurably worse. With clip-low 0.9 (down to 0.1)
+and 8 epochs all 8 offsets were rejected with the whole interval below 0 (median -0.095, min
+-0.042). Figures in docs/control-plane.md.
 
 The tenant's policy tolerates no regression (`max_regression = 0`, the strictest setting): under the
 default 0.05 a negated update that moved the tiny model's greedy answers only a little passed the
-gate in one CI run (the sessions are sampled, so each run trains on other data). How often the
-zero-tolerance gate still passes a negated update has not been measured.
+gate in one CI run (the sessions are sampled, so each run trains on other data).
 """
 
 from __future__ import annotations
@@ -44,14 +49,18 @@ ADMIN = {"authorization": "Bearer admin-test-key"}
 SESSIONS = 128
 MAX_TOKENS = 6
 TASK = "say"
+# bench/negated_gate.sh runs this test over other sampling seeds (session i of offset k is sampled
+# with seed k * SESSIONS + i) and other trainer settings; CI runs offset 0 with TRAIN_ARGS.
+TRAIN_ARGS = ["--lr", "1e-2", "--ppo-epochs", "8", "--clip-low", "0.9"]
+OFFSETS = [int(k) for k in os.environ.get("ATDP_NEGATED_SEED_OFFSETS", "0").split(",")]
 
 
-def _record(proxy, model: str) -> None:
+def _record(proxy, model: str, offset: int) -> None:
     errors: list[str] = []
 
     def one(i: int) -> None:
         body = {"model": model, "messages": [{"role": "user", "content": f"Question {i}: say something."}],
-                "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": i}
+                "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": offset * SESSIONS + i}
         r = httpx.post(proxy.v1 + "/chat/completions", json=body, timeout=120,
                        headers={"x-atdp-session-id": f"s{i}", "x-atdp-task-id": TASK})
         if r.status_code != 200:
@@ -67,8 +76,9 @@ def _record(proxy, model: str) -> None:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("offset", OFFSETS)
 def test_a_version_trained_on_negated_rewards_is_rejected_by_replay_evaluation(start_proxy, vllm_server, new_database,
-                                                                               tmp_path):
+                                                                               tmp_path, offset):
     from tests.vllm_fixtures import swap_weights
 
     url = new_database("atdp_negated")
@@ -83,7 +93,7 @@ def test_a_version_trained_on_negated_rewards_is_rejected_by_replay_evaluation(s
     engine = db.make_engine(url)
     factory = db.session_factory(engine)
     try:
-        _record(proxy, vllm_server.model)
+        _record(proxy, vllm_server.model, offset)
         with factory() as s:
             rows = s.execute(select(t.Session.external_id, t.Step.output_token_ids)
                              .join(t.Step, t.Step.session_id == t.Session.id)).all()
@@ -104,25 +114,27 @@ def test_a_version_trained_on_negated_rewards_is_rejected_by_replay_evaluation(s
                "ATDP_POLICY_FILE": str(policy), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
-        # A clearly harmful update (lr 1e-2, 4 epochs): at lr 3e-3 and 2 epochs the negated update moved the
-        # held-out score by less than its noise (one run: +0.026, interval [-0.041, +0.085] over 29
-        # cases), so whether the gate saw it was chance; at these settings two runs gave -0.100 and
-        # -0.096 (intervals [-0.137, -0.065], [-0.131, -0.064]). The gate's bar is unchanged.
-        proc = subprocess.run([sys.executable, "-m", "proxy.cli", "train", "--once", "--lr", "1e-2", "--ppo-epochs",
-                               "4", "--seed", "0"], env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+        # A clearly harmful update (TRAIN_ARGS, chosen with bench/negated_gate.sh): the gate's bar is unchanged.
+        train_args = os.environ.get("ATDP_NEGATED_TRAIN_ARGS", "").split() or TRAIN_ARGS
+        proc = subprocess.run([sys.executable, "-m", "proxy.cli", "train", "--once", *train_args, "--seed", "0"],
+                              env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
         # The trainer exits 1 when its version is not served.
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-6000:]
 
         detail = httpx.get(proxy.url + "/atdp/v1/versions/v1", headers=ADMIN, timeout=10).json()
         gates = {g["gate"]: g for g in detail["gates"]}
         n = gates["replay_eval"]["numbers"]
-        print(f"\nnegated-reward version: {detail['status']}; held-out cases {n.get('held_out_cases')}, "
+        report = {"offset": offset, "train_args": train_args, "status": detail["status"], **n.get("overall", {}),
+                  "update": next((ln.split("INFO ")[-1] for ln in proc.stderr.splitlines() if "update 0 ->" in ln), "")}
+        print(f"\nnegated-gate-run {json.dumps(report)}")
+        print(f"negated-reward version: {detail['status']}; held-out cases {n.get('held_out_cases')}, "
               f"overall {json.dumps(n.get('overall'))}; trained on "
-              f"{len(rewards) - n.get('held_out_sessions', 0)} sessions; gate {n.get('seconds')} s")
+              f"{len(rewards) - n.get('held_out_sessions', 0)} sessions; gate {n.get('seconds')} s\n"
+              f"trainer: {proc.stderr[-2000:]}")
         assert detail["status"] == "rejected", detail
         assert gates["replay_eval"]["state"] == "failed", gates
         assert n["suite_cases"] == 0 and n["held_out_cases"] == n["held_out_sessions"] > 0
-        assert n["overall"]["candidate_mean"] < n["overall"]["serving_mean"]
+        assert n["overall"]["candidate_mean"] < n["overall"]["serving_mean"], proc.stderr[-4000:]
         with factory() as s:
             trained = set(s.scalars(select(t.VersionLineage.session_id)))
             released = s.scalar(select(t.Step.id).where(t.Step.trained_version_id.is_not(None)).limit(1))
