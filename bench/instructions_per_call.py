@@ -11,6 +11,7 @@ natively, as do the scripted upstream and the load generator). Same set-up as cp
   python bench/instructions_per_call.py [--n 300] [--concurrency 8] [--stream | --no-stream]
   python bench/instructions_per_call.py --tree ../other-checkout   # that checkout's proxy, this load
   python bench/instructions_per_call.py --agent   # Hermes' real system prompt and 17 tool schemas (46 KB)
+  python bench/instructions_per_call.py --messages  # through /v1/messages (the proxy translates each chunk)
   python bench/instructions_per_call.py --writer  # instead: the writer child's instructions per step
                                                   # (redaction, records, the database writes; drain included)
 
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
-from proxy_overhead import ROOT, body_for, run_round, start_stack
+from proxy_overhead import ROOT, body_for, messages_body, run_round, start_stack
 
 
 def callgrind(*args: str) -> None:
@@ -85,6 +86,7 @@ def main() -> int:
     ap.add_argument("--agent", action="store_true", help="agent-sized calls (Hermes' system prompt and tools)")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose proxy runs (default: this one)")
     ap.add_argument("--writer", action="store_true", help="count the writer child instead of the proxy")
+    ap.add_argument("--messages", action="store_true", help="through Anthropic's /v1/messages (translated chunks)")
     args = ap.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="callgrind-"))
     wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--trace-children={'yes' if args.writer else 'no'}",
@@ -95,13 +97,15 @@ def main() -> int:
         pid = writer_pid(pid)
     health = f"http://127.0.0.1:{port}/healthz"
     try:
-        make_body = agent_body if args.agent else body_for
-        asyncio.run(run_round(port, 4 * args.concurrency, args.concurrency, args.stream, 10_000_000, make_body))  # warm up
+        make_body = agent_body if args.agent else messages_body if args.messages else body_for
+        path = "/v1/messages" if args.messages else "/v1/chat/completions"
+        asyncio.run(run_round(port, 4 * args.concurrency, args.concurrency, args.stream, 10_000_000, make_body,
+                              path))  # warm up
         while httpx.get(health, timeout=60).json()["writer_pending"]:
             time.sleep(0.2)
         callgrind("-i", "on", str(pid))
         callgrind("-z", str(pid))
-        _, _, rps, errors = asyncio.run(run_round(port, args.n, args.concurrency, args.stream, 0, make_body))
+        _, _, rps, errors = asyncio.run(run_round(port, args.n, args.concurrency, args.stream, 0, make_body, path))
         if args.writer:  # its steps are written once the load is over: the drain is the writer's work
             while httpx.get(health, timeout=60).json()["writer_pending"]:
                 time.sleep(0.2)
@@ -110,7 +114,7 @@ def main() -> int:
         total = total_instructions(out_dir, pid)
         where = "the writer child, per step" if args.writer else "the proxy process"
         print(f"{args.tree.resolve().name}: {args.n} calls, concurrency {args.concurrency}, stream={args.stream}, "
-              f"{'agent-sized, ' if args.agent else ''}{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in {where}")
+              f"{'agent-sized, ' if args.agent else ''}{'/v1/messages, ' if args.messages else ''}{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in {where}")
     finally:
         stack.stop()
     return 0

@@ -127,8 +127,16 @@ def body_for(i: int, stream: bool) -> dict:
                                                      f"and explain what module {i % 17} does, briefly."}]}
 
 
+def messages_body(i: int, stream: bool) -> dict:
+    """body_for's call through Anthropic's door (/v1/messages: the proxy translates every chunk)."""
+    chat = body_for(i, stream)
+    return {"model": "fake", "stream": stream, "max_tokens": 64, "system": chat["messages"][0]["content"],
+            "messages": chat["messages"][1:]}
+
+
 async def run_round(port: int, n: int, concurrency: int, stream: bool, start: int,
-                    make_body: Callable[[int, bool], dict] = body_for) -> tuple[list[float], list[float], float, int]:
+                    make_body: Callable[[int, bool], dict] = body_for, path: str = "/v1/chat/completions"
+                    ) -> tuple[list[float], list[float], float, int]:
     conns = [Conn(port) for _ in range(concurrency)]
     await asyncio.gather(*(c.open() for c in conns))
     lat, ttfb, errors = [], [], 0
@@ -137,7 +145,7 @@ async def run_round(port: int, n: int, concurrency: int, stream: bool, start: in
     async def worker(c: Conn) -> None:
         nonlocal errors
         for i in counter:
-            tb, total, status = await c.request(encode(port, "/v1/chat/completions", make_body(i, stream)), stream)
+            tb, total, status = await c.request(encode(port, path, make_body(i, stream)), stream)
             if status != 200:
                 errors += 1
             lat.append(total)

@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from atdp_schema.models import StepStatus
 from proxy.call import Answer, Call, close_upstream, finish, settle
 from proxy.translate.chunks import Chunk, read_chunk
-from proxy.translate.sse import iter_sse
+from proxy.translate.sse import iter_sse_batches
 from proxy.upstream import UpstreamError
 
 
@@ -37,32 +37,40 @@ async def relay(call: Call, resp: Answer, translator: Translator, fail: Callable
     """
     status, error = StepStatus.aborted, {"type": "client_disconnected", "message": "the client went away mid-stream"}
     try:
-        payloads = iter_sse(resp.aiter_raw())
-        complete = False
-        async for payload in payloads:
-            if payload == b"[DONE]":  # the engine's answer is complete: end the client's stream now
-                complete = True
+        batches = iter_sse_batches(resp.aiter_raw())
+        complete = failed = False
+        async for batch in batches:
+            # One write per network read: a fast engine's chunks that arrived together leave together.
+            out: list[bytes] = []
+            for payload in batch:
+                if payload == b"[DONE]":  # the engine's answer is complete: end the client's stream now
+                    complete = True
+                    break
+                part = read_chunk(orjson.loads(payload))  # read once: capture and translator share it
+                if part.error is not None:  # vLLM's mid-stream failure
+                    status, error = StepStatus.error, {"type": "upstream_error", "message": part.error}
+                    out += translator.feed_part(part)  # the translator answers with its error event
+                    failed = True
+                    break
+                call.capture.feed(part)
+                if call.ttft_s is None and call.capture.has_output:
+                    call.mark_token()
+                out += translator.feed_part(part)
+            if complete or failed:
                 break
-            part = read_chunk(orjson.loads(payload))  # read once: capture and translator share it
-            if part.error is not None:  # vLLM's mid-stream failure
-                status, error = StepStatus.error, {"type": "upstream_error", "message": part.error}
-                yield b"".join(translator.feed_part(part))  # the translator answers with its error event
-                break
-            call.capture.feed(part)
-            if call.ttft_s is None and call.capture.has_output:
-                call.mark_token()
-            events = translator.feed_part(part)
-            if events:
-                yield b"".join(events)
+            if out:
+                yield b"".join(out)
         else:
-            complete = True  # an engine that ended without its [DONE]
-        if complete:
+            complete, out = True, []  # an engine that ended without its [DONE]
+        if failed:
+            yield b"".join(out)
+        elif complete:
             status, error = "ok", None
-            last = b"".join(translator.finish())  # completes the translator's output first
+            last = b"".join(out) + b"".join(translator.finish())  # completes the translator's output first
             done(status, error)  # records the call and publishes its keys ...
             await settle(call)  # ... which are in the database before the client's last event
             yield Last(last)
-            await close_engine_part(call, payloads)
+            await close_engine_part(call, batches)
     except UpstreamError as e:
         status, error = "error", {"type": "upstream_error", "message": e.message}
         yield b"".join(fail(e.message))

@@ -9,6 +9,8 @@ per UTF-8 byte) so token ids are predictable. The last user message scripts the 
 - `#drop`: send two chunks then close the connection mid-stream
 - `#malformed`: HTTP 200 with a completion whose `choices` is not a list (no engine sends that)
 - `#slow SECONDS`: wait before answering
+- `#burst TEXT`: answer TEXT streamed, every event in one write (an engine faster than its reader);
+  `#bursterror TEXT`: the same, then an error chunk and no `[DONE]` (vLLM failing mid-stream)
 - `#brokenerror STATUS`: an error answer (HTTP STATUS) whose body breaks off mid-read
 - otherwise: answer "echo: <the message>" (or `#say TEXT` -> TEXT)
 
@@ -98,6 +100,9 @@ class FakeVLLM:
             plan["text"] = "slow answer"
         elif last.startswith("#say "):
             plan["text"] = last[5:]
+        elif last.startswith(("#burst ", "#bursterror ")):
+            plan["burst"] = "error" if last.startswith("#bursterror") else "ok"
+            plan["text"] = last.partition(" ")[2]
         plan["text"] = (f"[{self.weights}] " + plan["text"]) if plan["text"] else ""
         return plan
 
@@ -223,8 +228,14 @@ class FakeVLLM:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
 
+        burst: list[bytes] | None = [] if plan.get("burst") else None
+
         async def event(obj: dict[str, Any]) -> None:
-            await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(obj) + b"\n\n", "more_body": True})
+            data = b"data: " + orjson.dumps(obj) + b"\n\n"
+            if burst is not None:
+                burst.append(data)
+                return
+            await send({"type": "http.response.body", "body": data, "more_body": True})
 
         def chunk(delta: dict[str, Any], ids: list[int], finish_reason=None, first=False) -> dict[str, Any]:
             c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp(ids) if want_lp and ids else None,
@@ -253,6 +264,7 @@ class FakeVLLM:
             if plan.get("drop") and sent >= 2:
                 raise ConnectionResetError("scripted drop")  # the server aborts the response mid-stream
         rest = out_ids[len(text_ids):]
+        text_end = len(burst) if burst is not None else 0
         for i, tc in enumerate(tool_calls):
             args = tc["function"]["arguments"]
             ids_tc = list(f"<tool>{tc['function']['name']}{args}</tool>".encode())
@@ -266,6 +278,14 @@ class FakeVLLM:
         if (body.get("stream_options") or {}).get("include_usage"):
             await event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.get("model"),
                          "choices": [], "usage": usage})
+        if burst is not None:
+            if plan["burst"] == "error":  # vLLM's mid-stream failure, after the text, in place of the end
+                burst[text_end:] = [b"data: " + orjson.dumps({"error": {"message": "scripted engine failure",
+                                                                         "code": 500}}) + b"\n\n"]
+            else:
+                burst.append(b"data: [DONE]\n\n")
+            await send({"type": "http.response.body", "body": b"".join(burst), "more_body": False})
+            return
         if not self.end_delay:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
