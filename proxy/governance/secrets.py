@@ -312,7 +312,8 @@ def _phone_windows(text: str, key: str | None = None) -> Iterator[tuple[int, int
     start = end = -1
     for m in _PHONE_CANDIDATE.finditer(text):
         candidate = m.group()
-        if _free_digits(text, m.start(), candidate) < 7 or _DATE.fullmatch(candidate.strip()):
+        free = _free_part(text, m.start(), candidate)
+        if sum(c.isdigit() for c in free) < 7 or _DATE.fullmatch(candidate.strip()):
             continue  # logs are full of ISO dates; no region parses them as phone numbers
         if _DECIMAL.fullmatch(candidate):
             continue  # `16.498936`
@@ -322,9 +323,9 @@ def _phone_windows(text: str, key: str | None = None) -> Iterator[tuple[int, int
             continue
         if not any(c.isspace() for c in candidate) and glued(text, m.start(), m.end()):
             continue  # `haiku-4-5-20251001`, `10:23:45.123456`: inside an identifier or a time
-        if (candidate[0] != "+" and not _DIGIT_SEP.search(candidate)
+        if (candidate[0] != "+" and not _DIGIT_SEP.search(free)
                 and not has_phone_context(text, m.start(), key)):
-            continue  # a lone digit run is a phone number only next to a phone word
+            continue  # a lone digit run (`10000399 8b55`: a count before a hex id) needs a phone word
         s, e = max(0, m.start() - 4), min(len(text), m.end() + 4)
         if s <= last_end:  # merge neighbours so a number is never cut in two
             end = e
@@ -337,8 +338,8 @@ def _phone_windows(text: str, key: str | None = None) -> Iterator[tuple[int, int
         yield start, end
 
 
-def _free_digits(text: str, start: int, candidate: str) -> int:
-    """The candidate's digits a phone number could be made of. python-phonenumbers (leniency VALID)
+def _free_part(text: str, start: int, candidate: str) -> str:
+    """The part of the candidate a phone number could be made of. python-phonenumbers (leniency VALID)
     rejects a match that a Latin letter touches, and its inner matches end at separators, so a digit
     group glued to a letter at either end of the candidate can only be cut off (`request 2 172687bd5e`:
     a count before a hex id), unless the letters are an extension's label (`0132x12`, `0132ext. 12`)."""
@@ -350,7 +351,7 @@ def _free_digits(text: str, start: int, candidate: str) -> int:
     if _letter_at(text, after) and not text[after : after + 5].lower().startswith(_EXTENSION_WORDS):
         while hi > lo and candidate[hi - 1].isdigit():
             hi -= 1
-    return sum(c.isdigit() for c in candidate[lo:hi])
+    return candidate[lo:hi]
 
 
 _EXTENSION_WORDS = ("x", "ext", "int", "anexo")  # python-phonenumbers' extension labels in Latin letters

@@ -22,7 +22,17 @@ from sqlalchemy.orm import Session
 
 from atdp_schema.models import Eligibility
 from proxy.store import tables as t
-from proxy.store.copy import copy_rows, int_array, json_text, jsonb, real_array, text_array
+from proxy.store.copy import (
+    binary_float4s,
+    binary_int4s,
+    binary_texts,
+    copy_rows,
+    copy_rows_binary,
+    int_array,
+    json_text,
+    jsonb,
+    text_array,
+)
 from proxy.store.texts import ENCODED_KINDS, escape
 
 log = logging.getLogger("atdp.store")
@@ -246,15 +256,19 @@ STEP_COLUMNS = (
 )
 
 
+STEP_ARRAYS = frozenset({"message_hashes", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_mask"})
+
+
 def _step_row(r: StepRecord, sid: str, seq: int) -> tuple:
-    """One `steps` row for COPY, in STEP_COLUMNS' order."""
+    """One `steps` row for binary COPY, in STEP_COLUMNS' order (STEP_ARRAYS prebuilt)."""
     return (
         r.id, sid, r.session.tenant_id, seq, r.parent_step_id, r.api, r.status,
         jsonb(pg_safe(r.error) if r.error and _has_nul(r.error) else r.error), r.upstream, r.model, r.model_version,
-        r.system_hash, r.tools_hash, r.history_len, text_array(r.message_hashes), r.transcript_hash,
+        r.system_hash, r.tools_hash, r.history_len, binary_texts(r.message_hashes), r.transcript_hash,
         jsonb(pg_safe(r.params) if _has_nul(r.params) else r.params), r.output_hash, r.token_source,
-        r.prompt_prefix_len, int_array(r.prompt_token_ids), int_array(r.output_token_ids),
-        real_array(r.output_logprobs), jsonb(r.output_versions), int_array(r.output_mask), r.prompt_path, r.finish_reason,
+        r.prompt_prefix_len, binary_int4s(r.prompt_token_ids), binary_int4s(r.output_token_ids),
+        binary_float4s(r.output_logprobs), jsonb(r.output_versions),
+        None if r.output_mask is None else binary_int4s(r.output_mask), r.prompt_path, r.finish_reason,
         r.started_at, r.ttft_ms, r.total_ms, r.prompt_tokens, r.completion_tokens, r.cost, jsonb(r.redaction),
         r.eligibility, r.eligibility_reason, r.visibility, r.retention_until, r.replay_of,
     )
@@ -335,7 +349,7 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     for r in fresh:
         sid = sid_of[(r.session.tenant_id, r.session.external_id)]
         next_seq[sid] += 1
-        step_rows.append(_step_row(r, sid, next_seq[sid]))
+        step_rows.append((r, sid, next_seq[sid]))
         # A tool name is whatever the model generated: cut to the column (256) rather than have the
         # database refuse the whole step (a dead letter for a call the client got 200 for). A call id
         # the model repeated within one step is kept once (the first), as before.
@@ -344,7 +358,8 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
                                                       pg_safe(tc.name)[:256], jsonb(pg_safe(tc.arguments))))
         for tr in r.tool_results:  # the first result for a call links it (as the per-row updates did)
             links.setdefault((sid, tr.call_id), (sid, tr.call_id, r.id, tr.result_hash, tr.is_error))
-    copy_rows(s, "steps", STEP_COLUMNS, step_rows)
+    # Rows are built inside the COPY: a value the database would refuse fails as its error would.
+    copy_rows_binary(s, "steps", STEP_COLUMNS, (_step_row(*row) for row in step_rows), STEP_ARRAYS)
     if call_rows:
         copy_rows(s, "tool_calls", CALL_COLUMNS, call_rows.values())
     if links:

@@ -14,6 +14,7 @@ from proxy.store.ids import new_id
 from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, write_steps
 
 AWKWARD = 'tab\there, newline\nthere, back\\slash, "quotes", comma, {braces}, \\N, é, 🙂'
+ODD_HASH = 'odd"ha,sh\\x {}\\N é🙂'  # fits varchar(64)
 
 
 def _step(tenant: str, ext: str, when: datetime, **kw) -> StepRecord:
@@ -90,9 +91,8 @@ def test_a_batch_of_many_sessions_numbers_each_in_order(factory, tenant):
         assert [seq[x] for x in mine] == list(range(1, len(mine) + 1))
 
 
-def test_a_record_the_database_refuses_in_a_copy_is_set_aside_and_the_rest_written(factory, tenant, tmp_path):
-    """COPY raises psycopg's errors; the recorder must still see a refused *record* (and split the
-    batch around it), not a lost database (which would spool and retry the batch for ever)."""
+def _dead_letters(factory, tmp_path, records: list[StepRecord]) -> list:
+    """Write `records` as the recorder does (no redaction) and return the dead letters it set aside."""
     from proxy.governance.policy import TenantPolicy
     from proxy.record import deadletters
     from proxy.record.recorder import Recorder
@@ -105,23 +105,68 @@ def test_a_record_the_database_refuses_in_a_copy_is_set_aside_and_the_rest_writt
         def close(self) -> None:
             pass
 
-    now = datetime.now(UTC)
-    good = _step(tenant, "refused-batch", now)
-    bad = _step(tenant, "refused-batch", now + timedelta(seconds=1), model="m" * 300)  # the column holds 256
     spool = Spool(tmp_path / "spool")
     rec = Recorder(secret=b"s", factory=factory, spool=spool, redactor=NoRedaction(),
                    policy_for=lambda s, t: TenantPolicy())
-    rec._write([good, bad])
+    rec._write(records)
     spool.close()
-    (letter,) = deadletters.read(tmp_path / "spool")
+    return deadletters.read(tmp_path / "spool")
+
+
+def test_a_record_the_database_refuses_in_a_copy_is_set_aside_and_the_rest_written(factory, tenant, tmp_path):
+    """COPY raises psycopg's errors; the recorder must still see a refused *record* (and split the
+    batch around it), not a lost database (which would spool and retry the batch for ever)."""
+    now = datetime.now(UTC)
+    good = _step(tenant, "refused-batch", now)
+    bad = _step(tenant, "refused-batch", now + timedelta(seconds=1), model="m" * 300)  # the column holds 256
+    (letter,) = _dead_letters(factory, tmp_path, [good, bad])
     assert letter.reason.startswith("DataError")
     with factory() as s:
         assert t.get_step(s, good.id) is not None and t.get_step(s, bad.id) is None
 
 
+def test_token_arrays_come_back_exactly(factory, tenant):
+    """`steps` goes in binary COPY with its arrays built from machine arrays: the int32 range's ends,
+    empty arrays (not NULL), an empty mask against none, and hashes of any text come back as written."""
+    from array import array
+
+    ends = [0, 1, -1, 2**31 - 1, -(2**31), 50_000]
+    full = _step(tenant, "copy-ids", datetime.now(UTC), prompt_token_ids=array("i", ends), output_token_ids=ends[::-1],
+                 output_logprobs=[-0.5] * 6, output_mask=array("i", [1, 0, 1, 1, 0, 1]),
+                 message_hashes=["a" * 64, ODD_HASH, ""])
+    empty = _step(tenant, "copy-ids", datetime.now(UTC), prompt_token_ids=[], output_token_ids=array("i"),
+                  output_logprobs=array("f"), output_mask=[], message_hashes=[])
+    with db.transaction(factory) as s:
+        assert write_steps(s, [full, empty], new_id) == 2
+    with factory() as s:
+        a, b = t.get_step(s, full.id), t.get_step(s, empty.id)
+        dims = s.execute(text("SELECT array_ndims(prompt_token_ids), array_ndims(output_mask) FROM steps WHERE id = :id"),
+                         {"id": empty.id}).one()
+    assert list(a.prompt_token_ids) == ends and list(a.output_token_ids) == ends[::-1]
+    assert list(a.output_logprobs) == [-0.5] * 6 and a.output_mask == [1, 0, 1, 1, 0, 1]
+    assert a.message_hashes == ["a" * 64, ODD_HASH, ""]
+    assert (list(b.prompt_token_ids), list(b.output_token_ids), list(b.output_logprobs)) == ([], [], [])
+    assert b.output_mask == [] and b.message_hashes == [] and tuple(dims) == (None, None)  # '{}', as the text path wrote
+
+
+def test_token_ids_the_column_cannot_hold_set_only_their_record_aside(factory, tenant, tmp_path):
+    """Ids beyond 32 bits, or not numbers at all, fail as the database would refuse them (a DataError):
+    that record is a dead letter, the batch's others are written."""
+    now = datetime.now(UTC)
+    good = _step(tenant, "refused-ids", now)
+    too_big = _step(tenant, "refused-ids", now + timedelta(seconds=1), prompt_token_ids=[2**40, 1])
+    not_ids = _step(tenant, "refused-ids", now + timedelta(seconds=2), output_token_ids=[None])
+    bad_logprobs = _step(tenant, "refused-ids", now + timedelta(seconds=3), output_logprobs=["x"])
+    letters = _dead_letters(factory, tmp_path, [good, too_big, not_ids, bad_logprobs])
+    assert len(letters) == 3 and all(letter.reason.startswith("DataError") for letter in letters)
+    with factory() as s:
+        assert t.get_step(s, good.id) is not None
+        assert all(t.get_step(s, r.id) is None for r in (too_big, not_ids, bad_logprobs))
+
+
 def test_float32_logprobs_come_back_bit_for_bit(factory, tenant):
-    """The COPY writes logprobs with 9 significant digits: every float32 the engine can report reads
-    back as the same float (extremes and subnormals included), and NaN and infinities stay what they are."""
+    """The COPY writes logprobs as their float32 bits: every float32 the engine can report reads back
+    as the same float (extremes and subnormals included), and NaN and infinities stay what they are."""
     import random
     import struct
     from array import array

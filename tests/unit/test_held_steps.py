@@ -24,7 +24,7 @@ from proxy.config import Settings
 from proxy.governance.policies import Policies
 from proxy.record.capture import CapturedStep, ChatCapture, SessionRef, held_bytes
 from proxy.record.writer_process import WriterProcess
-from proxy.store.copy import real_array
+from proxy.store.copy import binary_float4s
 
 
 def _chunks(prompt: int, output: int, rng: random.Random) -> list[dict[str, Any]]:
@@ -82,7 +82,7 @@ def test_compact_fields_keep_what_the_writer_reads():
     assert list(sent.output_token_ids) == [t for c in plan for t in c["choices"][0]["token_ids"]]
     engine = [x["logprob"] for c in plan for x in c["choices"][0]["logprobs"]["content"]]
     assert list(sent.output_logprobs) == engine  # float32 values: exact
-    assert real_array(sent.output_logprobs) == real_array(engine)  # the `real[]` literal the writer COPYs
+    assert binary_float4s(sent.output_logprobs) == binary_float4s(engine)  # the `real[]` the writer COPYs
     # Ids beyond 32 bits (no engine has them) stay exact; anything not all ints is left to the writer.
     big = _step(plan)
     big.prompt_token_ids, big.output_token_ids = [2**40, 1], [None]
