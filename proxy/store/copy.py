@@ -131,7 +131,8 @@ _COLUMN_TYPES: dict[tuple[str, tuple[str, ...]], list[int]] = {}
 
 def _column_types(cur: psycopg.Cursor, table: str, columns: Sequence[str]) -> list[int]:
     """The columns' type oids, as the database has them (binary COPY applies no casts). Asked once per
-    process: the tables use built-in types only, whose oids are the same in every database."""
+    process, and again after a failed COPY: the tables use built-in types only, whose oids are the
+    same in every database."""
     key = (table, tuple(columns))
     if key not in _COLUMN_TYPES:
         cur.execute("SELECT attname, atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass "
@@ -153,7 +154,13 @@ def copy_rows_binary(s: Session, table: str, columns: Sequence[str], rows: Itera
     with _as_sqlalchemy_errors(statement), raw.cursor() as cur:
         types = [_BYTEA_OID if c in prebuilt else oid for c, oid in zip(columns, _column_types(cur, table, columns),
                                                                           strict=True)]
-        with cur.copy(statement) as cp:
-            cp.set_types(types)
-            for row in rows:
-                cp.write_row(row)
+        try:
+            with cur.copy(statement) as cp:
+                cp.set_types(types)
+                for row in rows:
+                    cp.write_row(row)
+        except psycopg.Error:
+            # Ask for the types again next time: a migration may have changed one under a running
+            # writer, and the recorder retries a refused batch in halves.
+            _COLUMN_TYPES.pop((table, tuple(columns)), None)
+            raise

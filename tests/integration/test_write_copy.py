@@ -306,3 +306,26 @@ def test_contents_go_in_statements_of_bounded_size(factory, tenant, monkeypatch)
         stored = {h: s.get(t.Content, (tenant, h)).body for h in bodies}
     assert stored == bodies
     assert len(statements) == 5  # 41-character bodies two at a time: [0, 1], [2], [3] (alone, over it), [4, 5], [6]
+
+
+def test_column_types_are_asked_again_after_a_refused_copy(factory, tenant):
+    """Binary COPY sends each column in the type the database had when the writer asked: types that
+    went stale (a migration under a running writer) fail that COPY, and the next one asks again."""
+    import pytest
+    from sqlalchemy.exc import DataError
+
+    from proxy.store import copy
+    from proxy.store.write import STEP_COLUMNS
+
+    rec = _step(tenant, "stale-types", datetime.now(UTC))
+    with db.transaction(factory) as s:  # the types, as the database has them
+        assert write_steps(s, [_step(tenant, "stale-types", datetime.now(UTC))], new_id) == 1
+    key = ("steps", tuple(STEP_COLUMNS))
+    stale = list(copy._COLUMN_TYPES[key])
+    stale[STEP_COLUMNS.index("seq")] = 20  # as if `seq` were still a bigint: 8 bytes where 4 are read
+    copy._COLUMN_TYPES[key] = stale
+    with pytest.raises(DataError), db.transaction(factory) as s:
+        write_steps(s, [rec], new_id)
+    assert key not in copy._COLUMN_TYPES
+    with db.transaction(factory) as s:
+        assert write_steps(s, [rec], new_id) == 1
