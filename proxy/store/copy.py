@@ -157,8 +157,13 @@ def copy_rows_binary(s: Session, table: str, columns: Sequence[str], rows: Itera
         try:
             with cur.copy(statement) as cp:
                 cp.set_types(types)
-                for row in rows:
-                    cp.write_row(row)
+                try:
+                    for row in rows:
+                        cp.write_row(row)
+                except (TypeError, ValueError, OverflowError, struct.error) as e:
+                    # A value the column's binary form cannot hold: refused as the database refuses
+                    # one in text, so the batch sets this record aside.
+                    raise psycopg.DataError(f"a value {table} cannot hold: {e}") from None
         except psycopg.Error:
             # Ask for the types again next time: a migration may have changed one under a running
             # writer, and the recorder retries a refused batch in halves.

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+import psycopg
 from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
@@ -259,18 +260,32 @@ STEP_COLUMNS = (
 STEP_ARRAYS = frozenset({"message_hashes", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_mask"})
 
 
+def _int4(value: int | None) -> int | None:
+    """An `integer` column's value, checked: psycopg's binary dumper keeps the low 32 bits of a larger
+    int (2**40 would be stored as 0), where PostgreSQL refuses it in text."""
+    if value is None or -(2**31) <= value < 2**31:
+        return value
+    raise psycopg.errors.NumericValueOutOfRange(f"integer out of range: {value}")
+
+
+def _text(value: object) -> str | None:
+    """A text column's value from the engine's JSON: text COPY stored a number as its digits, the
+    binary dumper would refuse it."""
+    return value if value is None or type(value) is str else str(value)
+
+
 def _step_row(r: StepRecord, sid: str, seq: int) -> tuple:
     """One `steps` row for binary COPY, in STEP_COLUMNS' order (STEP_ARRAYS prebuilt)."""
     return (
-        r.id, sid, r.session.tenant_id, seq, r.parent_step_id, r.api, r.status,
-        jsonb(pg_safe(r.error) if r.error and _has_nul(r.error) else r.error), r.upstream, r.model, r.model_version,
-        r.system_hash, r.tools_hash, r.history_len, binary_texts(r.message_hashes), r.transcript_hash,
-        jsonb(pg_safe(r.params) if _has_nul(r.params) else r.params), r.output_hash, r.token_source,
-        r.prompt_prefix_len, binary_int4s(r.prompt_token_ids), binary_int4s(r.output_token_ids),
+        r.id, sid, r.session.tenant_id, _int4(seq), r.parent_step_id, r.api, r.status,
+        jsonb(pg_safe(r.error) if r.error and _has_nul(r.error) else r.error), r.upstream, _text(r.model),
+        _text(r.model_version), r.system_hash, r.tools_hash, _int4(r.history_len), binary_texts(r.message_hashes),
+        r.transcript_hash, jsonb(pg_safe(r.params) if _has_nul(r.params) else r.params), r.output_hash, r.token_source,
+        _int4(r.prompt_prefix_len), binary_int4s(r.prompt_token_ids), binary_int4s(r.output_token_ids),
         binary_float4s(r.output_logprobs), jsonb(r.output_versions),
-        None if r.output_mask is None else binary_int4s(r.output_mask), r.prompt_path, r.finish_reason,
-        r.started_at, r.ttft_ms, r.total_ms, r.prompt_tokens, r.completion_tokens, r.cost, jsonb(r.redaction),
-        r.eligibility, r.eligibility_reason, r.visibility, r.retention_until, r.replay_of,
+        None if r.output_mask is None else binary_int4s(r.output_mask), r.prompt_path, _text(r.finish_reason),
+        r.started_at, r.ttft_ms, r.total_ms, _int4(r.prompt_tokens), _int4(r.completion_tokens), r.cost,
+        jsonb(r.redaction), r.eligibility, r.eligibility_reason, r.visibility, r.retention_until, r.replay_of,
     )
 
 

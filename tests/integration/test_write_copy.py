@@ -135,7 +135,7 @@ def test_token_arrays_come_back_exactly(factory, tenant):
                  output_logprobs=[-0.5] * 6, output_mask=array("i", [1, 0, 1, 1, 0, 1]),
                  message_hashes=["a" * 64, ODD_HASH, ""])
     empty = _step(tenant, "copy-ids", datetime.now(UTC), prompt_token_ids=[], output_token_ids=array("i"),
-                  output_logprobs=array("f"), output_mask=[], message_hashes=[])
+                  output_logprobs=array("f"), output_mask=[], message_hashes=[], finish_reason=7)
     with db.transaction(factory) as s:
         assert write_steps(s, [full, empty], new_id) == 2
     with factory() as s:
@@ -147,21 +147,26 @@ def test_token_arrays_come_back_exactly(factory, tenant):
     assert a.message_hashes == ["a" * 64, ODD_HASH, ""]
     assert (list(b.prompt_token_ids), list(b.output_token_ids), list(b.output_logprobs)) == ([], [], [])
     assert b.output_mask == [] and b.message_hashes == [] and tuple(dims) == (None, None)  # '{}', as the text path wrote
+    assert b.finish_reason == "7"  # an engine's number where text belongs: its digits, as text COPY stored it
 
 
 def test_token_ids_the_column_cannot_hold_set_only_their_record_aside(factory, tenant, tmp_path):
-    """Ids beyond 32 bits, or not numbers at all, fail as the database would refuse them (a DataError):
-    that record is a dead letter, the batch's others are written."""
+    """Ids beyond 32 bits, or not numbers at all, and values a column's binary form cannot hold, fail as
+    the database would refuse them (a DataError): that record is a dead letter, the batch's others are written."""
     now = datetime.now(UTC)
     good = _step(tenant, "refused-ids", now)
     too_big = _step(tenant, "refused-ids", now + timedelta(seconds=1), prompt_token_ids=[2**40, 1])
     not_ids = _step(tenant, "refused-ids", now + timedelta(seconds=2), output_token_ids=[None])
     bad_logprobs = _step(tenant, "refused-ids", now + timedelta(seconds=3), output_logprobs=["x"])
-    letters = _dead_letters(factory, tmp_path, [good, too_big, not_ids, bad_logprobs])
-    assert len(letters) == 3 and all(letter.reason.startswith("DataError") for letter in letters)
+    big_count = _step(tenant, "refused-ids", now + timedelta(seconds=4), prompt_tokens=2**40)  # an integer column
+    odd_time = _step(tenant, "refused-ids", now + timedelta(seconds=5), ttft_ms="soon")
+    odd_count = _step(tenant, "refused-ids", now + timedelta(seconds=6), completion_tokens="many")
+    bad = (too_big, not_ids, bad_logprobs, big_count, odd_time, odd_count)
+    letters = _dead_letters(factory, tmp_path, [good, *bad])
+    assert len(letters) == len(bad) and all(letter.reason.startswith("DataError") for letter in letters), letters
     with factory() as s:
         assert t.get_step(s, good.id) is not None
-        assert all(t.get_step(s, r.id) is None for r in (too_big, not_ids, bad_logprobs))
+        assert all(t.get_step(s, r.id) is None for r in bad)
 
 
 def test_float32_logprobs_come_back_bit_for_bit(factory, tenant):
