@@ -71,13 +71,21 @@ def _binary_words(words: array, oid: int) -> bytes:
     return _ARRAY_HEAD.pack(1, 0, oid, n, 1) + out.tobytes()
 
 
+def refused(e: Exception) -> psycopg.DataError:
+    """A value a binary column cannot hold, refused as PostgreSQL refuses it in text (the same class
+    and SQLSTATE, so dead letters read the same): the recorder sets that record aside."""
+    if isinstance(e, (OverflowError, struct.error)):
+        return psycopg.errors.NumericValueOutOfRange(f"out of range: {e}")
+    return psycopg.errors.InvalidTextRepresentation(f"not of the column's type: {e}")
+
+
 def binary_int4s(values: Sequence[int]) -> bytes:
     """An `integer[]` in COPY's binary format."""
     if type(values) is not array or values.typecode != "i":
         try:
             values = array("i", values)
-        except (OverflowError, TypeError) as e:  # refused as the database would: the batch sets the record aside
-            raise psycopg.DataError(f"not an integer[]: {e}") from None
+        except (OverflowError, TypeError) as e:
+            raise refused(e) from None
     return _binary_words(values, INT4_OID)
 
 
@@ -88,7 +96,7 @@ def binary_float4s(values: Sequence[float]) -> bytes:
         try:
             floats = array("f", values)
         except (OverflowError, TypeError) as e:
-            raise psycopg.DataError(f"not a real[]: {e}") from None
+            raise refused(e) from None
     return _binary_words(array("i", floats.tobytes()), FLOAT4_OID)
 
 
@@ -161,9 +169,7 @@ def copy_rows_binary(s: Session, table: str, columns: Sequence[str], rows: Itera
                     for row in rows:
                         cp.write_row(row)
                 except (TypeError, ValueError, OverflowError, struct.error) as e:
-                    # A value the column's binary form cannot hold: refused as the database refuses
-                    # one in text, so the batch sets this record aside.
-                    raise psycopg.DataError(f"a value {table} cannot hold: {e}") from None
+                    raise refused(e) from None
         except psycopg.Error:
             # Ask for the types again next time: a migration may have changed one under a running
             # writer, and the recorder retries a refused batch in halves.
