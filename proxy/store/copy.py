@@ -40,16 +40,6 @@ def int_array(values: Iterable[int] | None) -> str | None:
     return None if values is None else "{" + ",".join(map(str, values)) + "}"
 
 
-_REAL = "{:.9g}".format  # 9 significant digits name every float32 exactly (FLT_DECIMAL_DIG)
-
-
-def real_array(values: Iterable[float]) -> str:
-    """A `real[]` literal. The logprobs are float32 values (the engine's, kept as `array('f')`): 9
-    significant digits read back (strtof) as the same float, in 40% fewer characters and a third of
-    the time of `repr`'s 17. NaN and infinities are written nan, inf, -inf: PostgreSQL reads those."""
-    return "{" + ",".join(map(_REAL, values)) + "}"
-
-
 # PostgreSQL's binary array: ndim, has-nulls flag, element type; then per dimension its length and
 # lower bound (1); then each element as a 4-byte length and its bytes (big-endian, network order).
 _ARRAY_HEAD = struct.Struct(">iiIii")
