@@ -92,6 +92,30 @@ def _tail(path: Path, lines: int = 60) -> str:
         return f"(log unreadable: {exc})"
 
 
+# How an engine core or worker says it died. The API server's own traceback ("EngineDeadError ... See
+# stack trace (above)") follows and fills the tail, so the cause has to be looked for above it.
+_DEATH_MARKS = ("EngineCore encountered a fatal error", "died unexpectedly", "died with exit code",
+                "Fatal Python error")
+
+
+def _cause(path: Path, lines: int = 40) -> str:
+    """The log's last death notice and what follows it (an engine's traceback), or the first ERROR line
+    of a process other than the API server; empty when neither is there."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    marks = [i for i, line in enumerate(text) if any(m in line for m in _DEATH_MARKS)]
+    if not marks:
+        marks = [i for i, line in enumerate(text) if " ERROR " in line and not line.startswith("(APIServer")][:1]
+    if not marks:
+        return ""
+    start = marks[-1]
+    if start > 0 and "Traceback" in text[start - 1]:
+        start -= 1
+    return "\n".join(text[start:start + lines])
+
+
 @dataclass
 class VLLMServer:
     python: str
@@ -236,7 +260,9 @@ class VLLMServer:
                 time.sleep(0.5)
 
     def _failure(self, what: str) -> str:
-        return f"{what}; {_memory()}; log: {self.log_path}\n--- last lines ---\n{_tail(self.log_path)}"
+        cause = _cause(self.log_path)
+        cause = f"\n--- the engine's account ---\n{cause}" if cause else ""
+        return f"{what}; {_memory()}; log: {self.log_path}{cause}\n--- last lines ---\n{_tail(self.log_path)}"
 
     def __enter__(self) -> VLLMServer:
         self.start()

@@ -54,6 +54,33 @@ def test_failed_start_reports_the_log_tail(tmp_path):
     server.stop()
 
 
+def test_a_dead_engine_report_shows_the_engine_core_traceback_above_the_api_servers(tmp_path):
+    # vLLM logs the engine core's traceback first; the API server's EngineDeadError traceback ("see the
+    # stack trace above") follows and fills the tail. The report must carry the first one.
+    log = tmp_path / "vllm.log"
+    core = "(EngineCore_DP0 pid=7) ERROR 12-03 17:27:33 [core.py:1512]"
+    api = "(APIServer pid=5) ERROR 12-03 17:27:33 [vllm_error.py:54]"
+    log.write_text("\n".join([
+        "(APIServer pid=5) INFO 12-03 17:20:00 [api_server.py:1] Application startup complete.",
+        "(EngineCore_DP0 pid=7) INFO 12-03 17:21:00 [core.py:1] Aborted request chatcmpl-1.",
+        f"{core} EngineCore encountered a fatal error.",
+        f"{core} Traceback (most recent call last):",
+        f"{core} RuntimeError: the root cause",
+        *(f"{api}   frame {i}" for i in range(120)),
+        f"{api} vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+    ]) + "\n")
+    server = VLLMServer(python=sys.executable, model_dir=tmp_path, log_path=log)
+    server.start()
+    with pytest.raises(VLLMStartError) as err:
+        server.wait_ready(timeout=30)
+    message = str(err.value)
+    account = message.split("--- the engine's account ---", 1)[1].split("--- last lines ---", 1)[0]
+    assert "EngineCore encountered a fatal error" in account and "RuntimeError: the root cause" in account
+    assert "Aborted request" not in account
+    assert "No module named 'vllm'" in message.split("--- last lines ---", 1)[1]  # the tail is still there
+    server.stop()
+
+
 ENGINE = """
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
