@@ -4,7 +4,6 @@ the token guard)."""
 from __future__ import annotations
 
 import hashlib
-import uuid
 from collections import OrderedDict
 from typing import TypeVar
 
@@ -24,14 +23,19 @@ class LRU(OrderedDict[K, V]):
             self.popitem(last=False)
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def id_key(value: str) -> bytes | str:
     """A UUID id as its 16 bytes (a 49-byte object against 85 for its text); any other id as it is.
-    Cache keys that live by the hundred thousand."""
-    try:
-        u = uuid.UUID(value)
-    except ValueError:
+    Cache keys that live by the hundred thousand. Only the canonical form (lowercase, 8-4-4-4-12, as
+    `str(uuid.UUID(...))` writes it) is packed, so two spellings of one UUID stay two keys."""
+    if len(value) != 36 or value[8] != "-" or value[13] != "-" or value[18] != "-" or value[23] != "-":
         return value
-    return u.bytes if str(u) == value else value
+    digits = value[:8] + value[9:13] + value[14:18] + value[19:23] + value[24:]
+    if not _HEX.issuperset(digits):
+        return value
+    return bytes.fromhex(digits)
 
 
 def content_key(tenant: str, content_hash: str) -> bytes:

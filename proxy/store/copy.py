@@ -15,6 +15,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -99,9 +100,20 @@ def binary_texts(values: Sequence[str], oid: int = VARCHAR_OID) -> bytes:
         len(b).to_bytes(4, "big") + b for b in encoded)
 
 
-def text_array(values: Sequence[str]) -> str:
-    """A `text[]` literal, every element quoted and escaped, so any text without NUL is safe."""
-    return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+def text_array(values: Sequence[str | None]) -> str:
+    """A `text[]` literal, every element quoted and escaped, so any text without NUL is safe; None is NULL."""
+    return "{" + ",".join("NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                          for v in values) + "}"
+
+
+def timestamp_array(values: Sequence[datetime]) -> str:
+    """A `timestamptz[]` literal in ISO 8601 (an aware datetime keeps its offset, as psycopg sends it)."""
+    return "{" + ",".join('"' + v.isoformat() + '"' for v in values) + "}"
+
+
+def bool_array(values: Iterable[object]) -> str:
+    """A `boolean[]` literal of the values' truth."""
+    return "{" + ",".join("t" if v else "f" for v in values) + "}"
 
 
 @contextmanager

@@ -4,12 +4,17 @@ and age) and its compact cache keys. Pure, no database."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import random
 import time
 import tracemalloc
+import uuid
 
 from proxy.lru import LRU, content_key, id_key
 from proxy.record.prepare import TokenCache
 from proxy.sessions import ContinuationIndex, StepLink, prefix_hashes
+from proxy.store.content import canonical, content_hash
 from proxy.store.ids import new_id
 from proxy.store.links import LinkRow
 
@@ -112,6 +117,33 @@ def test_id_keys_are_16_bytes_for_uuids_and_the_text_for_anything_else():
         lru.put(id_key(v), v)
     assert [lru[id_key(v)] for v in [uid, *others]] == [uid, *others]
 
+
+
+def _id_key_by_uuid(value: str) -> bytes | str:
+    """The definition id_key implements without the uuid module: the canonical text of a UUID packs."""
+    try:
+        u = uuid.UUID(value)
+    except ValueError:
+        return value
+    return u.bytes if str(u) == value else value
+
+
+def test_id_key_agrees_with_the_uuid_module_on_every_spelling():
+    rng = random.Random(5)
+    cases = ["", "-" * 36, "{" + new_id() + "}", "urn:uuid:" + new_id(), new_id().replace("-", ""), "g" * 36]
+    for _ in range(3000):
+        u = str(uuid.UUID(int=rng.getrandbits(128)))
+        pos = rng.randrange(36)
+        cases += [u, u.upper(), u[:pos] + rng.choice("0aAfFgG-_ {}") + u[pos + 1:], u[:pos] + u[pos + 1:] + "0",
+                  u.replace("-", "", 1) + "0", "\uff11" + u[1:], u[:-1] + "\u0661"]
+    for v in cases:
+        assert id_key(v) == _id_key_by_uuid(v), v
+
+
+def test_content_hash_is_the_hmac_of_the_canonical_bytes():
+    values = ["", "x" * 300, {"b": [1, 2.5, None], "a": "\u00e9"}, [{"role": "user", "content": "hi"}], 7]
+    for v in values:
+        assert content_hash(b"secret", v) == hmac.new(b"secret", canonical(v), hashlib.sha256).hexdigest()
 
 def test_content_keys_separate_tenants():
     assert content_key("acme", "h" * 64) != content_key("other", "h" * 64)
