@@ -113,14 +113,14 @@ class Call:
 
 
 async def begin(state: AppState, request: Request, principal: Principal, *, api: str, body: dict[str, Any],
-                messages: list[Any], system: Any = None, tools: Any = None, tool_results_of=None,
+                raw_body: bytes, messages: list[Any], system: Any = None, tools: Any = None, tool_results_of=None,
                 params: dict[str, Any] | None = None, path_session: str | None = None) -> Call:
     """Resolve the session and parent step of a call: in memory, or (when this proxy's memory does
     not know the parent) with one read of the database's keys (proxy.store.links)."""
     t0 = time.perf_counter()
     keys = [match_key(m) for m in messages]
     hashes = prefix_hashes(principal.tenant, keys)
-    fingerprint = body_hash(principal.tenant, body)
+    fingerprint = body_hash(principal.tenant, raw_body)
     headers = header_map(request.scope)
     session, cont = resolve(tenant=principal.tenant, headers=headers, path_session=path_session, body=body,
                             hashes=hashes, index=state.index, fingerprint=fingerprint)

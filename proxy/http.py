@@ -53,6 +53,11 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 async def read_json(request: Request, limit: int) -> Any:
+    return (await read_json_raw(request, limit))[1]
+
+
+async def read_json_raw(request: Request, limit: int) -> tuple[bytes, Any]:
+    """(the body's bytes as sent, the body parsed), or a 413 / 400."""
     declared = header_map(request.scope).get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body over the {limit}-byte limit")
@@ -62,14 +67,15 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise ApiError(413, f"request body over the {limit}-byte limit")
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        body = orjson.loads(b"".join(chunks))
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         # orjson's message says where (line, column), never what: safe to pass on.
         raise ApiError(400, f"malformed JSON body: {e}") from None
     if too_deep(body):
         raise ApiError(400, f"request body nests deeper than {MAX_DEPTH} levels")
-    return body
+    return raw, body
 
 
 def check_body(model: type[M], body: Any, request: Request) -> M:
@@ -138,12 +144,12 @@ def door(state: AppState, handler: Handler) -> Endpoint:
             # A call answered now could not be recorded (the spool is failing): refuse it rather
             # than answer and lose it. Rendered in the door's own error format.
             raise ApiError(503, f"{refused}; try again shortly", headers={"retry-after": "5"})
-        body = await read_json(request, state.settings.max_body_bytes)
+        raw, body = await read_json_raw(request, state.settings.max_body_bytes)
         path_session = request.path_params.get("session_id")
         begun: list[calls.Call] = []
 
         async def call_begin(api: str, b: dict[str, Any], messages: list[Any], **kw: Any) -> calls.Call:
-            call = await calls.begin(state, request, principal, api=api, body=b, messages=messages,
+            call = await calls.begin(state, request, principal, api=api, body=b, raw_body=raw, messages=messages,
                                path_session=path_session, **kw)
             begun.append(call)
             return call

@@ -343,10 +343,14 @@ def is_output(message: Any) -> bool:
                                           or message.get("type") in ("function_call", "reasoning"))
 
 
-def body_hash(tenant: str, body: dict[str, Any]) -> str:
-    """A request body's fingerprint (per tenant), for telling a retry from a new run."""
-    # Key order as the client sent it: a retry re-sends the same bytes, so the same order.
-    return hashlib.sha256(tenant.encode() + b"\0" + orjson.dumps(body)).hexdigest()
+def body_hash(tenant: str, raw_body: bytes) -> str:
+    """A request body's fingerprint (per tenant), for telling a retry from a new run: a retry re-sends
+    the same bytes. Of the bytes as sent, not re-serialised (an agent's body is tens of KB); it lives
+    in one proxy's memory only (`ContinuationIndex`), so no stored key changes with it."""
+    h = hashlib.sha256(tenant.encode())
+    h.update(b"\0")
+    h.update(raw_body)
+    return h.hexdigest()
 
 
 def resolve(
