@@ -55,7 +55,8 @@ def read_chunk(chunk: dict[str, Any]) -> Chunk:
 
 def read_completion(completion: dict[str, Any]) -> Chunk:
     """A non-streamed `chat.completion`, read as one chunk carrying the whole answer."""
-    return _with_choice(completion, list(completion.get("prompt_token_ids") or []), completion.get("usage"), "message")
+    ids = completion.get("prompt_token_ids")  # the parsed list itself: an agent's prompt is tens of thousands of ids
+    return _with_choice(completion, ids if isinstance(ids, list) else [], completion.get("usage"), "message")
 
 
 def _with_choice(chunk: dict[str, Any], prompt_ids: list[int] | None, usage: dict[str, Any] | None,

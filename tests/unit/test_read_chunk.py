@@ -85,3 +85,15 @@ def test_the_capture_keeps_ids_and_logprobs_compact() -> None:
     cap.feed_chunk({**BASE, "choices": [{"index": 0, "delta": {"content": "y"}, "logprobs": _lp("-1.5"),
                                          "token_ids": [9]}]})
     assert cap.output_logprobs[-1] == -1.5
+
+
+def test_a_completion_s_prompt_ids_are_read_without_a_copy_and_odd_values_as_no_ids() -> None:
+    from proxy.translate.chunks import read_completion
+
+    ids = list(range(50_000))
+    completion = {**BASE, "object": "chat.completion", "prompt_token_ids": ids,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "token_ids": [5]}]}
+    assert read_completion(completion).prompt_token_ids is ids  # an agent's prompt: not copied per call
+    # What is not a list reads as no ids, as a stream's chunk reads it (list() of it raised or split it).
+    for odd in ("1,2,3", 7, {"a": 1}, None):
+        assert read_completion({**completion, "prompt_token_ids": odd}).prompt_token_ids == []
