@@ -337,3 +337,22 @@ def test_column_types_are_asked_again_after_a_refused_copy(factory, tenant):
     assert key not in copy._COLUMN_TYPES
     with db.transaction(factory) as s:
         assert write_steps(s, [rec], new_id) == 1
+
+
+def test_array_literals_read_back_as_the_values(factory):
+    # The writer's per-batch parameters are built as literals by hand: each must read back exactly,
+    # quotes, backslashes, braces, the word NULL and None (a real NULL) included.
+    from datetime import timezone
+
+    from proxy.store.copy import bool_array, text_array, timestamp_array
+
+    texts = ['plain', 'a "quote"', "back\\slash", "{brace,comma}", "NULL", None, "", " spaced ", "é ✓ 日本"]
+    times = [datetime(2026, 12, 3, 17, 0, 1, 234567, tzinfo=UTC),
+             datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone(timedelta(hours=-7, minutes=-30)))]
+    flags = [True, False, None, 1, 0]
+    with factory() as s:
+        got = s.execute(text("SELECT CAST(:t AS text[]), CAST(:ts AS timestamptz[]), CAST(:b AS boolean[])"),
+                        {"t": text_array(texts), "ts": timestamp_array(times), "b": bool_array(flags)}).one()
+    assert got[0] == texts
+    assert got[1] == times  # the same instants, whatever offset they were written with
+    assert got[2] == [True, False, False, True, False]
