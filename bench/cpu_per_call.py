@@ -8,6 +8,8 @@ for each process during the load and including the drain.
 
   python bench/cpu_per_call.py [--n 3000] [--concurrency 32] [--stream | --no-stream] [--agent]
                                 # --agent: Hermes' system prompt and 17 tool schemas in every call
+  python bench/cpu_per_call.py --paced 20 --n 1000 --concurrency 64 [--stream-interval 4]
+                                # tokens 20 ms apart, one per chunk (or 4: ATDP_STREAM_INTERVAL)
   python bench/cpu_per_call.py --with-provider-route [--rounds 6]   # the same proxy with and without a
                                                                     # LiteLLM provider route, interleaved
 
@@ -24,7 +26,7 @@ from collections import defaultdict
 
 import httpx
 from instructions_per_call import agent_body
-from proxy_overhead import body_for, run_round, start_stack
+from proxy_overhead import body_for, output_tokens_per_step, run_round, start_stack
 
 
 def cpu_seconds(pid: int) -> float:
@@ -63,16 +65,23 @@ def main() -> int:
                     help="compare the proxy without and with a provider route (rounds of --n/--rounds calls each)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--agent", action="store_true", help="agent-sized calls (Hermes' system prompt and tools)")
+    ap.add_argument("--paced", type=float, metavar="MS", default=0.0,
+                    help="the upstream streams one token per chunk, MS apart (a model generating), so each token "
+                         "reaches the proxy in a read of its own; reports CPU per token too")
+    ap.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                    help="the proxy's ATDP_STREAM_INTERVAL: N tokens per chunk asked of the engine")
     args = ap.parse_args()
     if args.with_provider_route:
         return compare_routes(args)
 
     make_body = agent_body if args.agent else body_for
-    stack = start_stack()
+    paced = ["--chunk-size", "1", "--chunk-delay-ms", str(args.paced)] if args.paced else []
+    stack = start_stack(upstream_args=paced, env={"ATDP_STREAM_INTERVAL": str(args.stream_interval)})
     procs, proxy_port = stack.procs, stack.proxy_port
     health = f"http://127.0.0.1:{proxy_port}/healthz"
     try:
-        asyncio.run(run_round(proxy_port, 400, args.concurrency, args.stream, 10_000_000, make_body))  # warm up
+        asyncio.run(run_round(proxy_port, 100 if args.paced else 400, args.concurrency, args.stream, 10_000_000,
+                              make_body))  # warm up
         while httpx.get(health).json()["writer_pending"]:
             time.sleep(0.2)
         pids = process_tree(procs[1].pid) + [procs[0].pid]
@@ -85,12 +94,17 @@ def main() -> int:
         print(f"{args.n} {'agent-sized ' if args.agent else ''}calls, concurrency {args.concurrency}, "
               f"stream={args.stream}: {rps:.0f} req/s, {errors} errors; "
               f"load average {os.getloadavg()[0]:.1f}")
-        print("| process | CPU ms/call during the load | CPU ms/call including the writer's drain |")
-        print("| --- | --- | --- |")
+        tokens = output_tokens_per_step(stack.db_url) if args.paced else 0.0
+        if tokens:
+            print(f"{tokens:.1f} output tokens per call, {args.paced:g} ms apart, {args.stream_interval} per chunk")
+        per_token = " | CPU us/token, including the drain" if tokens else ""
+        print(f"| process | CPU ms/call during the load | CPU ms/call including the writer's drain{per_token} |")
+        print("| --- | --- | --- |" + (" --- |" if tokens else ""))
         for p in pids:
             if drained[p] - before[p] > 0:
-                print(f"| {label(p)} | {1000 * (loaded[p] - before[p]) / args.n:.3f} | "
-                      f"{1000 * (drained[p] - before[p]) / args.n:.3f} |")
+                spent = drained[p] - before[p]
+                print(f"| {label(p)} | {1000 * (loaded[p] - before[p]) / args.n:.3f} | {1000 * spent / args.n:.3f} |"
+                      + (f" {1e6 * spent / args.n / tokens:.1f} |" if tokens else ""))
     finally:
         stack.stop()
     return 0

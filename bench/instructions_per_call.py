@@ -12,6 +12,9 @@ natively, as do the scripted upstream and the load generator). Same set-up as cp
   python bench/instructions_per_call.py --tree ../other-checkout   # that checkout's proxy, this load
   python bench/instructions_per_call.py --agent   # Hermes' real system prompt and 17 tool schemas (46 KB)
   python bench/instructions_per_call.py --messages  # through /v1/messages (the proxy translates each chunk)
+  python bench/instructions_per_call.py --paced 20 --n 40 --concurrency 2 [--stream-interval 4]
+                                                  # tokens 20 ms apart (a model generating), one per
+                                                  # chunk or 4 (ATDP_STREAM_INTERVAL): per token too
   python bench/instructions_per_call.py --writer  # instead: the writer child's instructions per step
                                                   # (redaction, records, the database writes; drain included)
 
@@ -31,7 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
-from proxy_overhead import ROOT, body_for, messages_body, run_round, start_stack
+from proxy_overhead import ROOT, body_for, messages_body, output_tokens_per_step, run_round, start_stack
 
 
 def callgrind(*args: str) -> None:
@@ -87,11 +90,18 @@ def main() -> int:
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose proxy runs (default: this one)")
     ap.add_argument("--writer", action="store_true", help="count the writer child instead of the proxy")
     ap.add_argument("--messages", action="store_true", help="through Anthropic's /v1/messages (translated chunks)")
+    ap.add_argument("--paced", type=float, metavar="MS", default=0.0,
+                    help="the upstream streams one token per chunk, MS apart, so each token is a read of its own "
+                         "(keep concurrency x the proxy's time per token under MS: under valgrind it is 30-50x slower)")
+    ap.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                    help="the proxy's ATDP_STREAM_INTERVAL: N tokens per chunk asked of the engine")
     args = ap.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="callgrind-"))
     wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--trace-children={'yes' if args.writer else 'no'}",
             f"--callgrind-out-file={out_dir}/cg.%p"]
-    stack = start_stack(wrap=wrap, tree=args.tree.resolve(), start_timeout_s=1800 if args.writer else 900)
+    paced = ["--chunk-size", "1", "--chunk-delay-ms", str(args.paced)] if args.paced else []
+    stack = start_stack(wrap=wrap, tree=args.tree.resolve(), start_timeout_s=1800 if args.writer else 900,
+                        upstream_args=paced, env={"ATDP_STREAM_INTERVAL": str(args.stream_interval)})
     pid, port = stack.procs[1].pid, stack.proxy_port
     if args.writer:
         pid = writer_pid(pid)
@@ -99,8 +109,8 @@ def main() -> int:
     try:
         make_body = agent_body if args.agent else messages_body if args.messages else body_for
         path = "/v1/messages" if args.messages else "/v1/chat/completions"
-        asyncio.run(run_round(port, 4 * args.concurrency, args.concurrency, args.stream, 10_000_000, make_body,
-                              path))  # warm up
+        asyncio.run(run_round(port, (2 if args.paced else 4) * args.concurrency, args.concurrency, args.stream,
+                              10_000_000, make_body, path))  # warm up
         while httpx.get(health, timeout=60).json()["writer_pending"]:
             time.sleep(0.2)
         callgrind("-i", "on", str(pid))
@@ -113,6 +123,9 @@ def main() -> int:
         callgrind("-i", "off", str(pid))
         total = total_instructions(out_dir, pid)
         where = "the writer child, per step" if args.writer else "the proxy process"
+        if args.paced:
+            tokens = output_tokens_per_step(stack.db_url)
+            where += f"; {tokens:.1f} output tokens per call, {total / args.n / tokens / 1e3:.1f} K instructions per token"
         print(f"{args.tree.resolve().name}: {args.n} calls, concurrency {args.concurrency}, stream={args.stream}, "
               f"{'agent-sized, ' if args.agent else ''}{'/v1/messages, ' if args.messages else ''}{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in {where}")
     finally:

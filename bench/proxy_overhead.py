@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -311,6 +311,20 @@ def scratch_database() -> tuple[str, Callable[[], None]]:
     return make_url(sqlalchemy_url(base)).set(database=name).render_as_string(hide_password=False), drop
 
 
+def output_tokens_per_step(db_url: str) -> float:
+    """Mean output tokens of the steps stored (the warm-up's calls are the same shape as the load's)."""
+    from sqlalchemy import create_engine, text
+
+    from proxy.store.db import sqlalchemy_url
+
+    engine = create_engine(sqlalchemy_url(db_url))
+    try:
+        with engine.connect() as c:
+            return float(c.execute(text("SELECT avg(cardinality(output_token_ids)) FROM steps")).scalar() or 0)
+    finally:
+        engine.dispose()
+
+
 def steps_written(url: str) -> int | None:
     from sqlalchemy import create_engine, text
 
@@ -368,17 +382,18 @@ def wait_database(port: int, timeout: float = 60.0) -> None:
 
 def start_stack(db: tuple[str, Callable[[], None]] | None = None, env: dict[str, str] | None = None,
                 provider_route: bool = False, wrap: list[str] | None = None, tree: Path = ROOT,
-                start_timeout_s: float = 60.0) -> Stack:
+                start_timeout_s: float = 60.0, upstream_args: Sequence[str] = ()) -> Stack:
     """Start the upstream and the proxy (and with `provider_route`, a second proxy with a provider
     route, on the same database) and wait until each has its database (its writer is then connected).
     `db`: (url, release) of a database to use (default: `scratch_database()`); `env`: extra settings;
-    `wrap`: a command the proxy runs under (valgrind); `tree`: the checkout whose proxy runs."""
+    `wrap`: a command the proxy runs under (valgrind); `tree`: the checkout whose proxy runs;
+    `upstream_args`: options of the scripted upstream (`tests/fake_vllm.py --help`)."""
     db_url, drop = db or scratch_database()
     home = tempfile.mkdtemp(prefix="bench-home-", dir="/var/tmp" if Path("/var/tmp").is_dir() else None)
     os.chmod(home, 0o755)
     up_port, proxy_port = free_port(), free_port()
     base_env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(up_port)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.fake_vllm", "--port", str(up_port), *upstream_args], cwd=ROOT,
                               env=base_env)]
     penv = {**base_env, "ATDP_HOME": home, "ATDP_UPSTREAM_URL": f"http://127.0.0.1:{up_port}", "ATDP_OPEN_MODE": "1",
             "ATDP_DEFAULT_TENANT": "bench", "ATDP_DATABASE_URL": db_url, **(env or {})}

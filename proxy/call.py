@@ -149,6 +149,15 @@ def _client_info(headers: Mapping[str, str]) -> dict[str, Any]:
     return info
 
 
+def with_stream_interval(body: dict[str, Any], interval: int) -> dict[str, Any]:
+    """Ask vLLM for `interval` output tokens per streamed chunk (`ATDP_STREAM_INTERVAL`). A client's
+    own larger value stands; one that is not a positive integer is passed on as sent, for vLLM to refuse."""
+    asked = body.get("stream_interval")
+    if asked is None or (type(asked) is int and 1 <= asked < interval):
+        return {**body, "stream_interval": interval}
+    return body
+
+
 async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str = "/v1/chat/completions"
                         ) -> Answer:
     """Send the call to a replica (sticky per session, failing over while nothing reached the client),
@@ -162,6 +171,8 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
     if route is not None:
         call.provider, call.version, call.upstream_url = route, route.target(str(call.model)), route.label
         return await providers.open_provider(route, upstream_body)
+    if upstream_body.get("stream") and state.settings.stream_interval > 1:
+        upstream_body = with_stream_interval(upstream_body, state.settings.stream_interval)
     content = orjson.dumps(upstream_body)
     headers = {"content-type": "application/json", **state.pool.auth_headers}
     http = state.http

@@ -254,12 +254,15 @@ class FakeVLLM:
         text_ids = list(text.encode())
         pos = 0
         sent = 0
+        # vLLM's `stream_interval`: that many of the engine's chunks in one, at the same pace
+        per = body.get("stream_interval")
+        per = per if type(per) is int and per > 1 else 1
         while pos < len(text_ids):
-            piece = text_ids[pos : pos + self.chunk_size]
+            piece = text_ids[pos : pos + self.chunk_size * per]
             pos += len(piece)
             await event(chunk({"content": bytes(piece).decode(errors="ignore")}, piece))
             if self.chunk_delay:
-                await asyncio.sleep(self.chunk_delay)
+                await asyncio.sleep(self.chunk_delay * per)
             sent += 1
             if plan.get("drop") and sent >= 2:
                 raise ConnectionResetError("scripted drop")  # the server aborts the response mid-stream
@@ -344,8 +347,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--chunk-size", type=int, default=4)
+    p.add_argument("--chunk-delay-ms", type=float, default=0.0, help="between streamed chunks (a model generating)")
     args = p.parse_args()
     fake = FakeVLLM(chunk_size=args.chunk_size)
+    fake.chunk_delay = args.chunk_delay_ms / 1000
     fake.record = False
     uvicorn.run(fake, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 

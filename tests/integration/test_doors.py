@@ -7,6 +7,7 @@ shape; a `/s/{id}/v1` base URL names the session. Door-specific behaviour stays 
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable
@@ -240,3 +241,23 @@ def test_session_path_names_the_session(start_proxy, fake_upstream, factory, doo
     assert r.status_code == 200 and r.headers["x-atdp-session-id"] == session
     (step,) = proxy.steps(factory, session)
     assert step.api == door.api and r.headers["x-atdp-step-id"] == step.id
+
+
+@pytest.mark.parametrize("door", DOORS, ids=[d.name for d in DOORS])
+def test_the_stream_interval_is_asked_of_the_engine_for_streamed_calls_only(start_proxy, fake_upstream, door):
+    """ATDP_STREAM_INTERVAL reaches vLLM as the request's `stream_interval` (a floor: the client's larger
+    value stands) on streamed calls; a whole answer has no chunks, so its request is left as the door
+    made it."""
+    proxy = start_proxy([fake_upstream.url], stream_interval=6)
+    httpx.post(proxy.v1 + door.path, json=door.body("streamed", stream=True), timeout=30).raise_for_status()
+    httpx.post(proxy.v1 + door.path, json=door.body("whole"), timeout=30).raise_for_status()
+    streamed, whole = fake_upstream.requests[-2:]
+    assert streamed["stream_interval"] == 6 and "stream_interval" not in whole
+    if door is CHAT:  # vLLM's own field: the chat door passes the client's through
+        r = httpx.post(proxy.v1 + door.path, json=door.body("larger " * 12, stream=True, stream_interval=9), timeout=30)
+        r.raise_for_status()
+        assert fake_upstream.requests[-1]["stream_interval"] == 9
+        # the answer's text came in chunks of 9 of the engine's own chunks (4 ids each)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        texts = [c["choices"][0]["delta"].get("content") for c in chunks if c.get("choices")]
+        assert max(len(t.encode()) for t in texts if t) == 36

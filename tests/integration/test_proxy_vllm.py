@@ -97,10 +97,13 @@ def direct(vllm_server, chat: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+# streamed-4: ATDP_STREAM_INTERVAL=4, vLLM sends up to 4 tokens per chunk (each door's translator and the
+# capture take several tokens a chunk; the answer and the ids stay vLLM's own)
+@pytest.mark.parametrize(("stream", "interval"), [(False, 1), (True, 1), (True, 4)],
+                         ids=["whole", "streamed", "streamed-4"])
 @pytest.mark.parametrize("door", DOORS, ids=[d.name for d in DOORS])
-def test_answer_and_tokens_match_vllm(start_proxy, vllm_server, factory, door, stream):
-    proxy = start_proxy([vllm_server.base_url])
+def test_answer_and_tokens_match_vllm(start_proxy, vllm_server, factory, door, stream, interval):
+    proxy = start_proxy([vllm_server.base_url], stream_interval=interval)
     body = door.body(vllm_server.model)
     expected = direct(vllm_server, door.to_chat(body))
     got = door.call(proxy, body, stream)
@@ -116,6 +119,31 @@ def test_answer_and_tokens_match_vllm(start_proxy, vllm_server, factory, door, s
     assert step.output_logprobs == pytest.approx(logprobs, abs=1e-3)
     assert step.token_source == "engine" and step.model == vllm_server.model
     assert step.ttft_ms is not None and step.ttft_ms <= step.total_ms
+
+
+def _streamed_ids(proxy: Any, body: dict[str, Any]) -> list[list[int]]:
+    """The output token ids of each chunk of a streamed chat answer that carries any (asked for)."""
+    client = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    chunks = client.chat.completions.create(**body, stream=True, extra_body={"return_token_ids": True})
+    return [ids for c in chunks if c.choices and (ids := getattr(c.choices[0], "token_ids", None))]
+
+
+def test_stream_interval_has_the_engine_send_fewer_larger_chunks(start_proxy, vllm_server, factory):
+    """Each chunk is a read, a parse and a write in the proxy: with ATDP_STREAM_INTERVAL=4 vLLM sends
+    its first token at once and then 4 a chunk, the same tokens, a quarter of the chunks."""
+    body = {**DOORS[0].body(vllm_server.model), "max_tokens": 16}
+    expected = direct(vllm_server, body)["choices"][0]["token_ids"]
+    n = len(expected)
+    assert n > 5  # enough tokens for the interval to show
+    one = start_proxy([vllm_server.base_url])
+    per_token = _streamed_ids(one, body)
+    assert [t for ids in per_token for t in ids] == expected and len(per_token) == n
+    four = start_proxy([vllm_server.base_url], stream_interval=4)
+    grouped = _streamed_ids(four, body)
+    assert [t for ids in grouped for t in ids] == expected
+    assert len(grouped) <= 1 + -(-(n - 1) // 4) and max(map(len, grouped)) == 4
+    (step,) = four.steps(factory)
+    assert step.output_token_ids == expected and len(step.output_logprobs) == n
 
 
 def test_five_turn_conversation_is_one_session(start_proxy, vllm_server, factory):
