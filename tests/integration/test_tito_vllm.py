@@ -31,10 +31,14 @@ def documents(proxy, factory) -> list:
         return [step for sess in sessions for step in session_document(s, sess).steps]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+# streamed-4: ATDP_STREAM_INTERVAL=4, so the generate stream (and the rendered first call's chat
+# stream) carry up to 4 tokens a chunk and the proxy derenders each batch of them at once
+@pytest.mark.parametrize(("stream", "interval"), [(False, 1), (True, 1), (True, 4)],
+                         ids=["whole", "streamed", "streamed-4"])
 @pytest.mark.parametrize("door", ["chat", "messages", "responses"])
-def test_continuations_reuse_the_exact_prefix(start_proxy, vllm_server, factory, door: str, stream: bool) -> None:
-    proxy = start_proxy([vllm_server.base_url], tito_stream=stream)
+def test_continuations_reuse_the_exact_prefix(start_proxy, vllm_server, factory, door: str, stream: bool,
+                                              interval: int) -> None:
+    proxy = start_proxy([vllm_server.base_url], tito_stream=stream, stream_interval=interval)
     model = vllm_server.model
     if door == "chat":
         traffic.hermes(proxy.v1, model, stream=stream)
