@@ -122,7 +122,7 @@ def test_chat_call_goes_to_the_provider_and_is_recorded_without_engine_tokens(ro
 
 def test_chat_stream_with_a_tool_call(routed, factory):
     start, oa, _ = routed
-    proxy = start()
+    proxy = start(stream_interval=4)  # vLLM's own field: never sent to a provider
     oa.mode = "tool"
     stream = chat_sdk(proxy).chat.completions.create(
         model="gpt-4o-mini", stream=True, tools=CHAT_TOOLS, messages=[{"role": "user", "content": "run the tests"}],
@@ -136,6 +136,7 @@ def test_chat_stream_with_a_tool_call(routed, factory):
             finish = c.finish_reason or finish
     assert (name, json.loads(args), finish) == ("run_shell", {"cmd": "pytest -q"}, "tool_calls")
     assert oa.requests[-1]["stream"] is True and oa.requests[-1]["tools"][0]["function"]["name"] == "run_shell"
+    assert "stream_interval" not in oa.requests[-1]
     (step,) = proxy.steps(factory, "prov-chat-stream")
     assert step.status == StepStatus.ok and step.token_source == TokenSource.none and step.finish_reason == "tool_calls"
     assert step.ttft_ms is not None and step.ttft_ms <= step.total_ms
