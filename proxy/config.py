@@ -142,8 +142,8 @@ class Settings(BaseSettings):
     # Output tokens per streamed chunk asked of vLLM (its per-request `stream_interval`; the engine's
     # own `--stream-interval` applies when larger; its first and last chunks come at once). Each chunk
     # is a read, a parse, a capture and a write in the proxy, about 90 us of its CPU (docs/scale.md,
-    # "Streams at the engine's pace"), so 4-8 cut a streamed call's proxy CPU several times over; 1:
-    # every token in a chunk of its own, vLLM's default. A client's larger value stands.
+    # "Streams at the engine's pace"): 4 halves a streamed call's proxy CPU. 1: every token in a chunk
+    # of its own, as vLLM sends by default. A client's larger value stands.
     stream_interval: int = Field(default=1, ge=1)
     # Token-in-token-out (proxy/tito.py): a continuation of a step this proxy served is sent as the
     # parent's exact prompt+output ids + the new turn (needs `vllm serve --enable-scale-out`; without
