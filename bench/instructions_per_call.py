@@ -123,8 +123,7 @@ def main() -> int:
         callgrind("-i", "off", str(pid))
         total = total_instructions(out_dir, pid)
         where = "the writer child, per step" if args.writer else "the proxy process"
-        if args.paced:
-            tokens = output_tokens_per_step(stack.db_url)
+        if args.paced and (tokens := output_tokens_per_step(stack.db_url)):  # none stored: no per-token figure
             where += f"; {tokens:.1f} output tokens per call, {total / args.n / tokens / 1e3:.1f} K instructions per token"
         print(f"{args.tree.resolve().name}: {args.n} calls, concurrency {args.concurrency}, stream={args.stream}, "
               f"{'agent-sized, ' if args.agent else ''}{'/v1/messages, ' if args.messages else ''}{errors} errors: {total / args.n / 1e6:.3f} M instructions per call in {where}")

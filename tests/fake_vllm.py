@@ -254,7 +254,8 @@ class FakeVLLM:
         text_ids = list(text.encode())
         pos = 0
         sent = 0
-        # vLLM's `stream_interval`: that many of the engine's chunks in one, at the same pace
+        # vLLM's `stream_interval`: that many of the text's chunks in one, at the same pace (tool-call
+        # fragments below still come one by one)
         per = body.get("stream_interval")
         per = per if type(per) is int and per > 1 else 1
         while pos < len(text_ids):
