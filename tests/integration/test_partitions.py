@@ -3,6 +3,7 @@ retention dropping whole days instead of deleting rows (proxy.governance.forget.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -18,7 +19,20 @@ from proxy.store.read import session_document
 from proxy.store.write import ToolCallRow, ToolResultRow, write_steps
 from tests.integration.test_store import SECRET, _record
 
-NOW = datetime.now(UTC)
+NOW = datetime.now(UTC)  # set again before each test (_today)
+
+
+@pytest.fixture(autouse=True)
+def _today():
+    """Each test's NOW, read when it starts, and never in a UTC day's last minute: the start-up
+    makes the partitions of the day it runs in, and the test's "today" must be that day (a CI run
+    that crossed midnight between import and test once failed three of these tests)."""
+    global NOW
+    now = datetime.now(UTC)
+    midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC)
+    if midnight - now < timedelta(minutes=1):
+        time.sleep((midnight - now).total_seconds() + 1)
+    NOW = datetime.now(UTC)
 
 
 def _ms(when: datetime) -> int:

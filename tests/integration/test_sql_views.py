@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -130,10 +131,19 @@ def test_tool_failure_rates(world, factory):
 
 def test_correction_rate_by_day(world, factory):
     rows = query(factory, "correction_rate_by_day.sql", tenant=world["tenant"], since=None)
-    today = datetime.now(UTC).date()
-    # a, b, c and d started today (the replay of a is not a user session); only a was corrected.
-    assert [(r["day"], r["sessions"], r["corrected_sessions"], r["corrections"]) for r in rows] == [(today, 4, 1, 1)]
-    assert rows[0]["correction_rate"] == pytest.approx(1 / 4)
+    with factory() as s:
+        started = s.execute(select(t.Session.id, t.Session.external_id, t.Session.started_at).where(
+            t.Session.tenant_id == world["tenant"], t.Session.replay_of.is_(None))).all()
+    # a, b, c and d (the replay of a is not a user session); only a was corrected. Their days are read
+    # from their start times, not from the clock: a run may cross midnight after the module's world.
+    assert len(started) == 4
+    day_of = {key: when.astimezone(UTC).date() for sid, ext, when in started for key in (sid, ext)}
+    days = Counter(when.astimezone(UTC).date() for _, _, when in started)
+    corrected = day_of[world["a"]]
+    assert [(r["day"], r["sessions"], r["corrected_sessions"], r["corrections"]) for r in rows] == [
+        (day, n, int(day == corrected), int(day == corrected)) for day, n in sorted(days.items())]
+    assert [r["correction_rate"] for r in rows] == pytest.approx(
+        [int(day == corrected) / n for day, n in sorted(days.items())])
     assert query(factory, "correction_rate_by_day.sql", tenant=world["tenant"], since=datetime(2999, 1, 1, tzinfo=UTC)) == []
 
 
