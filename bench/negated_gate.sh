@@ -28,7 +28,7 @@ import sys
 runs = [json.loads(line) for line in open(sys.argv[1])]
 for r in runs:
     print(json.dumps({k: r[k] for k in ("offset", "status", "n", "serving_mean", "candidate_mean", "diff_mean",
-                                        "ci_low", "ci_high")}))
+                                        "ci_low", "ci_high", "update")}))
 if not runs:
     sys.exit("no run finished; see the pytest output")
 diffs = [r["diff_mean"] for r in runs]

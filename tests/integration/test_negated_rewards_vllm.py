@@ -1,24 +1,28 @@
 """A version trained on negated rewards is rejected by replay evaluation: real vLLM (tiny model, CPU),
 the proxy, PostgreSQL and an `atdp train --once` subprocess.
 
-The task is the learning e2e's (tests/e2e/test_learning_e2e.py): one-turn sessions "Question i: say
-something." answered with 6 tokens at temperature 1 (seeded), rewarded with the fraction of output
-tokens in S, the 16 tokens these answers used most. The tenant's policy holds out a quarter of the
-rewarded sessions (`eval_holdout = 0.25`), and an operator suite holds the task rule that scores them:
-the same reward rule on the replayed answer's text (tests/token_rule.py). Every session's reward is
-posted **negated** (-r: the behaviour the task rewards is punished), so the trainer, which never sees
-the held-out sessions, learns the opposite of the task. Its version goes through the gates when the
+The task is close to the learning e2e's (tests/e2e/test_learning_e2e.py): one-turn sessions
+"Question i: say something." answered with 6 tokens at temperature 1 (seeded), rewarded with the
+fraction of output tokens in S. Here S is the 16 tokens the base model's **greedy** answers to the
+same prompts use most (asked of the engine directly, nothing recorded), because greedy answers are
+what the replay gate compares. The tenant's policy holds out a quarter of the rewarded sessions
+(`eval_holdout = 0.25`), and an operator suite holds the task rule that scores them: the same reward
+rule on the replayed answer's text (tests/token_rule.py). Every session's reward is posted
+**negated** (-r: the behaviour the task rewards is punished), so the trainer, which never sees the
+held-out sessions, learns the opposite of the task. Its version goes through the gates when the
 trainer posts it, and the replay gate must reject it: the held-out prompts, answered greedily by both
 versions, score lower under it.
 
-The trainer settings (lr 1e-2, 8 PPO epochs, clip-low 0.9) come from bench/negated_gate.sh, this
-test's own pipeline run over other sampling seeds (offsets 1-8; the test runs offset 0), not from this
-test's outcome. Under the default clip (a punished token may fall to 0.8 of its probability in one
-update) the negated update often left the greedy answers nearly unchanged: at lr 1e-2 and 4 epochs
-the held-out difference ranged -0.118 to -0.023 over offsets 1-4 here, and one CI run (another CPU)
-gave +0.007, so the version was rejected but not measurably worse. With clip-low 0.9 (down to 0.1)
-and 8 epochs all 8 offsets were rejected with the whole interval below 0 (median -0.095, min
--0.042). Figures in docs/control-plane.md.
+How the set-up was chosen (bench/negated_gate.sh: this test's pipeline over other sampling seeds,
+offsets 1 and up; the test runs offset 0; figures in docs/control-plane.md):
+- The trainer settings (lr 1e-2, 8 PPO epochs, clip-low 0.9). Under the default clip a punished
+  token may fall only to 0.8 of its probability in one update, and the negated update often left
+  the greedy answers nearly unchanged.
+- S from the greedy answers. With S from the sampled answers, the held-out interval was not below 0
+  in 5 of 40 reported runs on one 2-core EPYC (lr 1e-2 or 2e-2, 8 or 16 epochs; a 41st ended without
+  its report): the greedy answers of those runs used few tokens of S and stayed nearly as they were,
+  and one CI run served the version. With S from the greedy answers, 24 of 24 runs (offsets 1-24)
+  had the whole interval below 0.
 
 The tenant's policy tolerates no regression (`max_regression = 0`, the strictest setting): under the
 default 0.05 a negated update that moved the tiny model's greedy answers only a little passed the
@@ -33,6 +37,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -75,6 +80,20 @@ def _record(proxy, model: str, offset: int) -> None:
     proxy.flush()
 
 
+def _greedy_tokens(vllm_server) -> collections.Counter:
+    """The tokens of the base model's greedy answers to the task's prompts, asked of the engine
+    directly (nothing recorded): what the replay gate will see the serving version answer."""
+    def one(i: int) -> list[int]:
+        body = {"model": vllm_server.model, "messages": [{"role": "user", "content": f"Question {i}: say something."}],
+                "temperature": 0.0, "max_tokens": MAX_TOKENS, "return_token_ids": True}
+        r = httpx.post(vllm_server.base_url + "/v1/chat/completions", json=body, timeout=120)
+        r.raise_for_status()
+        return r.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(16) as pool:
+        return collections.Counter(tok for ids in pool.map(one, range(SESSIONS)) for tok in ids)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("offset", OFFSETS)
 def test_a_version_trained_on_negated_rewards_is_rejected_by_replay_evaluation(start_proxy, vllm_server, new_database,
@@ -98,7 +117,7 @@ def test_a_version_trained_on_negated_rewards_is_rejected_by_replay_evaluation(s
             rows = s.execute(select(t.Session.external_id, t.Step.output_token_ids)
                              .join(t.Step, t.Step.session_id == t.Session.id)).all()
         assert len(rows) == SESSIONS
-        subset = {tok for tok, _ in collections.Counter(tok for _, ids in rows for tok in ids).most_common(16)}
+        subset = {tok for tok, _ in _greedy_tokens(vllm_server).most_common(16)}
         # The task rule: how the gate scores held-out sessions of this task (written before the gates run).
         (suites / "ops.jsonl").write_text(json.dumps({
             "task": TASK, "evaluator": "tests.token_rule:score",
