@@ -60,11 +60,16 @@ TRAIN_ARGS = ["--lr", "1e-2", "--ppo-epochs", "8", "--clip-low", "0.9"]
 OFFSETS = [int(k) for k in os.environ.get("ATDP_NEGATED_SEED_OFFSETS", "0").split(",")]
 
 
+def _prompt(i: int) -> list[dict]:
+    """Session i's one user turn: recorded sampled, and asked greedily for S."""
+    return [{"role": "user", "content": f"Question {i}: say something."}]
+
+
 def _record(proxy, model: str, offset: int) -> None:
     errors: list[str] = []
 
     def one(i: int) -> None:
-        body = {"model": model, "messages": [{"role": "user", "content": f"Question {i}: say something."}],
+        body = {"model": model, "messages": _prompt(i),
                 "temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": offset * SESSIONS + i}
         r = httpx.post(proxy.v1 + "/chat/completions", json=body, timeout=120,
                        headers={"x-atdp-session-id": f"s{i}", "x-atdp-task-id": TASK})
@@ -84,7 +89,7 @@ def _greedy_tokens(vllm_server) -> collections.Counter:
     """The tokens of the base model's greedy answers to the task's prompts, asked of the engine
     directly (nothing recorded): what the replay gate will see the serving version answer."""
     def one(i: int) -> list[int]:
-        body = {"model": vllm_server.model, "messages": [{"role": "user", "content": f"Question {i}: say something."}],
+        body = {"model": vllm_server.model, "messages": _prompt(i),
                 "temperature": 0.0, "max_tokens": MAX_TOKENS, "return_token_ids": True}
         r = httpx.post(vllm_server.base_url + "/v1/chat/completions", json=body, timeout=120)
         r.raise_for_status()
