@@ -298,6 +298,10 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             if settings.shared_swaps:
                 swaps.bus = SwapBus(url, state.pool, drain_timeout_s=settings.swap_drain_timeout_s)
                 canarybus.attach(state, swaps)  # a canary begun on another proxy routes here too
+                follower = admin.ForgetFollower(state)  # a forget run elsewhere is applied here too
+                swaps.bus.handlers["forget"] = follower.on_note
+                swaps.bus.on_connect.append(follower.on_connect)
+                state.bus_id = swaps.bus.me
             engine = db.make_engine(url)
             state.engine = engine
             state.factory = db.session_factory(engine)

@@ -57,6 +57,7 @@ class AppState:
     forget_hooks: list[Callable[[str, set[str], bool], None]] = field(default_factory=list)
     links: LinkStore | None = None  # continuation keys in the database (proxy.store.links); set on connect
     tokens: TokenMemory = field(default_factory=TokenMemory)  # served steps' ids, for token-in-token-out
+    bus_id: str = ""  # this proxy's id on the notes channel (its own forget notes skip it); '' without one
 
     async def authenticate(self, request: Request, *, admin: bool = False, scope: str | None = None) -> Principal:
         """Who calls. `admin`: the route needs the admin key, or a scoped key covering `scope`;

@@ -39,15 +39,88 @@ log = logging.getLogger("atdp.admin")
 def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bool = False,
                   sessions: list[str] = ()) -> None:
     """Caches and the spool let go of what was forgotten: no later call links to a forgotten
-    session, and its pending spooled records go (the tombstone refuses any that still arrive)."""
-    steps = set(report.step_ids)
+    session, and its pending spooled records go (the tombstone refuses any that still arrive).
+    Every other proxy on the database does the same when the forget's notes reach it (`ForgetFollower`)."""
+    forget_here(state, report.tenant, report.step_ids, None if whole_tenant else report.content_hashes,
+                sorted({*report.external_ids, *sessions}), whole_tenant=whole_tenant)
+
+
+def forget_here(state: AppState, tenant: str, step_ids: list[str], content_hashes: list[str] | None,
+                sessions: list[str], *, whole_tenant: bool) -> None:
+    """This proxy's memory of forgotten steps, contents and sessions goes: continuation keys, token
+    memory, the doors' caches, the writer's caches (a content it believed stored would be referred to,
+    not written again) and its spool's pending records. Runs on the event loop (the caches are its own)."""
+    steps = set(step_ids)
     state.index.forget(steps)
     state.tokens.forget(steps)
     for hook in state.forget_hooks:
-        hook(report.tenant, steps, whole_tenant)
-    state.recorder.forget(report.tenant, step_ids=report.step_ids,
-                          content_hashes=None if whole_tenant else report.content_hashes,
-                          sessions=sorted({*report.external_ids, *sessions}), whole_tenant=whole_tenant)
+        hook(tenant, steps, whole_tenant)
+    state.recorder.forget(tenant, step_ids=list(step_ids), content_hashes=content_hashes, sessions=sessions,
+                          whole_tenant=whole_tenant)
+
+
+class ForgetFollower:
+    """Forgets run elsewhere (another proxy, `atdp forget`, another proxy's retention), applied here.
+
+    A forget announces itself in notes of under 8 KB each (proxy.governance.forget.announce), all
+    delivered at its commit; notes that arrive within `coalesce_s` of each other are applied as one
+    (a tenant's forget of 100,000 steps is a few hundred notes, and the continuation index is walked
+    once per application). Then this proxy's dead letters of those sessions go too.
+    """
+
+    def __init__(self, state: AppState, coalesce_s: float = 0.02) -> None:
+        self.state = state
+        self.coalesce_s = coalesce_s
+        self._notes: list[dict[str, Any]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._connected = False
+
+    async def on_connect(self) -> None:
+        """The listener (re)connected: forgets announced while it was away were missed, so the writer
+        stops believing any content stored (each is scanned and written once more: a cost, not a loss)."""
+        if self._connected:
+            self.state.recorder.forget("", content_hashes=None)
+            log.info("notes listener reconnected: the writer's stored-contents cache was cleared")
+        self._connected = True
+
+    async def on_note(self, msg: dict[str, Any]) -> None:
+        self._notes.append(msg)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._apply_soon(), name="atdp-forget-follow")
+
+    async def _apply_soon(self) -> None:
+        await asyncio.sleep(self.coalesce_s)  # the rest of the forget's notes arrive meanwhile
+        notes, self._notes = self._notes, []
+        for tenant, (whole, sessions, steps, contents) in _merged(notes).items():
+            try:
+                forget_here(self.state, tenant, sorted(steps), None if whole else sorted(contents), sorted(sessions),
+                            whole_tenant=whole)
+                letters = await asyncio.to_thread(_purge_letters, self.state.settings.spool_dir, tenant, whole,
+                                                  sessions)
+                log.info("forget from another proxy applied: tenant %s, %d sessions, %d steps, %d contents%s, "
+                         "%d dead letters", tenant, len(sessions), len(steps), len(contents),
+                         " (whole tenant)" if whole else "", len(letters))
+            except Exception as e:
+                log.error("a forget from another proxy was not applied here (%s: %s)", type(e).__name__, e)
+
+
+def _purge_letters(spool_dir: Path, tenant: str, whole: bool, sessions: set[str]) -> list[deadletters.DeadLetter]:
+    return deadletters.purge(spool_dir, lambda d: d.tenant == tenant and (whole or d.session in sessions))
+
+
+def _merged(notes: list[dict[str, Any]]) -> dict[str, tuple[bool, set[str], set[str], set[str]]]:
+    """Notes by tenant: (whole tenant?, sessions, steps, contents); a malformed note is skipped."""
+    out: dict[str, tuple[bool, set[str], set[str], set[str]]] = {}
+    for msg in notes:
+        tenant, lists = msg.get("tenant"), [msg.get(k) or [] for k in ("sessions", "steps", "contents")]
+        if not isinstance(tenant, str) or not all(isinstance(x, list) and all(isinstance(i, str) for i in x)
+                                                  for x in lists):
+            log.warning("a forget note of an unknown shape was ignored")
+            continue
+        whole, sessions, steps, contents = out.get(tenant, (False, set(), set(), set()))
+        out[tenant] = (whole or bool(msg.get("whole")), sessions | set(lists[0]), steps | set(lists[1]),
+                       contents | set(lists[2]))
+    return out
 
 
 def _reason(request: Request) -> str | None:
@@ -96,7 +169,7 @@ def routes(state: AppState) -> list[Route]:
         await asyncio.to_thread(state.recorder.flush, 10.0)  # a step still queued must not outlive the forget
         try:
             report = await run_db(state, lambda s: forget.forget_session(
-                s, session_id, tenant=tenant, actor=principal.actor, reason=reason))
+                s, session_id, tenant=tenant, actor=principal.actor, reason=reason, origin=state.bus_id))
         except LookupError:
             raise ApiError(409, "this session id exists in several tenants; pass ?tenant=") from None
         # Its dead letters too (a session whose every step was refused has no row, only those).
@@ -107,7 +180,11 @@ def routes(state: AppState) -> list[Route]:
         if report is None:
             report = forget.Forgotten(tenant=letters[0].tenant)
             # Only dead letters: no session row, but its steps may still be spooled or re-sent.
-            await run_db(state, lambda s: forget.tombstone(s, report.tenant, session_id))
+            def tombstone(s: Session, report: forget.Forgotten = report) -> None:
+                forget.tombstone(s, report.tenant, session_id)
+                forget.announce(s, report, sessions=[session_id], origin=state.bus_id)
+
+            await run_db(state, tombstone)
         _after_forget(state, report, sessions=[session_id])
         return json_response({"forgotten": "session", "session_id": session_id, "tenant": report.tenant,
                               **report.counts(), "dead_letters": len(letters)})
@@ -117,7 +194,8 @@ def routes(state: AppState) -> list[Route]:
         principal = await state.authenticate(request, admin=True)
         reason = _reason(request)
         await asyncio.to_thread(state.recorder.flush, 10.0)
-        report = await run_db(state, lambda s: forget.forget_tenant(s, tenant, actor=principal.actor, reason=reason))
+        report = await run_db(state, lambda s: forget.forget_tenant(s, tenant, actor=principal.actor, reason=reason,
+                                                                           origin=state.bus_id))
         letters = await asyncio.to_thread(deadletters.purge_tenant, state.settings.spool_dir, tenant)
         _after_forget(state, report, whole_tenant=True)
         return json_response({"forgotten": "tenant", "tenant": tenant, **report.counts(), "dead_letters": len(letters)})
@@ -184,7 +262,7 @@ def retention_once(state: AppState, actor: str = "system") -> list[forget.Forgot
         raise ApiError(503, DB_UNAVAILABLE)
     with state.factory() as s, s.begin():
         reports = forget.run_retention(s, policy_for=state.policies.policy_for, actor=actor,
-                                       quiet_s=state.settings.session_ttl_s)
+                                       quiet_s=state.settings.session_ttl_s, origin=state.bus_id)
         expire_dead_letters(s, state.settings.spool_dir, state.policies)
     for r in reports:
         _after_forget(state, r)

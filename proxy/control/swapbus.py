@@ -33,11 +33,10 @@ import psycopg
 
 from proxy.errors import ApiError
 from proxy.store.links import libpq_url
+from proxy.store.notes import CHANNEL
 from proxy.upstream import Replica, ReplicaPool
 
 log = logging.getLogger("atdp.swapbus")
-
-CHANNEL = "atdp_swaps"
 
 
 def lock_key(name: str) -> int:

@@ -10,7 +10,10 @@ row carries counts and ids, never content.
 Each function runs in the caller's transaction and returns a `Forgotten` report; callers that hold a
 `Recorder` should call `recorder.forget(tenant, step_ids=..., content_hashes=..., sessions=...)`
 afterwards so the writer's caches do not believe deleted contents are still stored and its spool
-drops the sessions' pending records. Forgetting a session or a tenant leaves a tombstone: the
+drops the sessions' pending records. Each function also announces what it deleted to every proxy on
+the database (`announce`: notes delivered when the transaction commits), so a forget run on one proxy,
+or by `atdp forget`, reaches every proxy's caches, spool and dead letters (proxy.control.admin).
+Forgetting a session or a tenant leaves a tombstone: the
 writer drops any step of it that started before the forget, whenever it arrives, so a forget is
 final (retention does not: it removes old sessions, whose late steps cannot exist).
 """
@@ -30,6 +33,7 @@ from sqlalchemy.orm import Session
 from proxy.store import partitions
 from proxy.store import tables as t
 from proxy.store.db import db_error_reason
+from proxy.store.notes import NOTIFY, split
 from proxy.store.read import find_session
 from proxy.store.texts import ENCODED_KINDS, all_refs
 
@@ -164,7 +168,7 @@ def _audit(s: Session, actor: str, tenant: str, action: str, target: str | None,
 
 
 def forget_session(s: Session, session_id: str, *, tenant: str | None, actor: str,
-                   reason: str | None = None) -> Forgotten | None:
+                   reason: str | None = None, origin: str = "") -> Forgotten | None:
     """Forget one session (public or internal id); None when there is no such session."""
     row = find_session(s, session_id, tenant)
     if row is None:
@@ -178,10 +182,11 @@ def forget_session(s: Session, session_id: str, *, tenant: str | None, actor: st
     if reason:
         details["reason"] = reason
     _audit(s, actor, row.tenant_id, "forget.session", row.external_id, details)
+    announce(s, out, origin=origin)
     return out
 
 
-def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = None) -> Forgotten:
+def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = None, origin: str = "") -> Forgotten:
     """Forget all of a tenant's recorded data. Its keys and policy stay (they are configuration);
     every remaining content row of the tenant goes as well."""
     out = Forgotten(tenant=tenant)
@@ -197,6 +202,7 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
     if reason:
         details["reason"] = reason
     _audit(s, actor, tenant, "forget.tenant", tenant, details)
+    announce(s, out, whole_tenant=True, origin=origin)
     return out
 
 
@@ -290,7 +296,7 @@ def _forget_days(s: Session, days: list[tuple[partitions.DayPartition, list[str]
 
 
 def run_retention(s: Session, *, policy_for, now: datetime | None = None, actor: str = "system",
-                  limit: int = 10_000, quiet_s: float = 24 * 3600.0) -> list[Forgotten]:
+                  limit: int = 10_000, quiet_s: float = 24 * 3600.0, origin: str = "") -> list[Forgotten]:
     """Forget every session holding a step past its retention deadline.
 
     A step's deadline is its `retention_until` (set at write from the policy then in force) or, when the
@@ -347,7 +353,28 @@ def run_retention(s: Session, *, policy_for, now: datetime | None = None, actor:
             log.info("retention dropped the partitions of %s", ", ".join(part.day.isoformat() for part, _ in days))
     for out in by_tenant.values():
         _audit(s, actor, out.tenant, "retention.forget", out.tenant, {**out.counts(), "now": now.isoformat()})
+        announce(s, out, origin=origin)
     return list(by_tenant.values())
+
+
+def announcement(out: Forgotten, *, whole_tenant: bool = False, sessions: list[str] = (), origin: str = "") -> list[str]:
+    """The notes that tell every proxy what `out` deleted (proxy.control.admin.follow_forgets): the
+    step ids (continuation keys, token caches), the deleted contents' hashes (a writer that still
+    believed them stored would write steps referring to rows that are gone; a whole tenant's are
+    all of them) and the sessions' public ids (spool, dead letters). `origin`: the announcing
+    proxy's bus id, which skips its own notes; '' (the command line) is followed by every proxy."""
+    return split({"op": "forget", "from": origin, "tenant": out.tenant, "whole": whole_tenant},
+                 {"sessions": sorted({*out.external_ids, *sessions}), "steps": out.step_ids,
+                  "contents": [] if whole_tenant else out.content_hashes})
+
+
+def announce(s: Session, out: Forgotten, *, whole_tenant: bool = False, sessions: list[str] = (),
+             origin: str = "") -> None:
+    """Queue `announcement(out)` in the forget's own transaction: delivered if, and when, it commits."""
+    if not (whole_tenant or out.step_ids or out.content_hashes or out.external_ids or sessions):
+        return  # nothing any proxy holds (retention that only expired stored responses)
+    for payload in announcement(out, whole_tenant=whole_tenant, sessions=sessions, origin=origin):
+        s.execute(NOTIFY, {"payload": payload})
 
 
 def _merge(into: Forgotten, got: Forgotten) -> None:

@@ -73,6 +73,12 @@ def folder(spool_dir: Path) -> Path:
     return spool_dir / FOLDER
 
 
+def spool_dirs(spool_dir: Path) -> list[Path]:
+    """A proxy's spool folder and, under it, those of `atdp serve --workers N`'s workers (`worker-K`):
+    what the command line reads and purges. A running proxy touches only its own."""
+    return [spool_dir, *sorted(p for p in spool_dir.glob("worker-*") if p.is_dir())]
+
+
 def read(spool_dir: Path) -> list[DeadLetter]:
     """Every dead letter, oldest file first. A torn line (a crash mid-write) is skipped."""
     out: list[DeadLetter] = []

@@ -1,6 +1,7 @@
 """`atdp deadletters list|replay|purge`: the step records the database refused, made visible.
 
-They live in the spool's `rejected/` folder under `ATDP_HOME` (`proxy.record.deadletters`). `list`
+They live in the spool's `rejected/` folder under `ATDP_HOME`, one per worker of `atdp serve --workers
+N` (`spool/worker-K/rejected/`); every command covers them all (`proxy.record.deadletters`). `list`
 prints one JSON object per dead letter (ids, status, reason; never content), `replay` writes them to
 the database again (after the cause is fixed) and removes those that went in, `purge` deletes them.
 """
@@ -14,10 +15,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 
-def _spool_dir():
+def _spool_dirs():
     from proxy.config import load_settings
+    from proxy.record import deadletters
 
-    return load_settings().spool_dir
+    return deadletters.spool_dirs(load_settings().spool_dir)
 
 
 def _selected(args: argparse.Namespace):
@@ -39,7 +41,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from proxy.record import deadletters
 
     match = _selected(args)
-    for d in deadletters.read(_spool_dir()):
+    for d in (d for spool_dir in _spool_dirs() for d in deadletters.read(spool_dir)):
         if match(d):
             print(json.dumps(d.summary(), sort_keys=True))
     return 0
@@ -54,7 +56,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     match = _selected(args)
-    letters = [d for d in deadletters.read(settings.spool_dir) if match(d)]
+    chosen = {spool_dir: [d for d in deadletters.read(spool_dir) if match(d)] for spool_dir in _spool_dirs()}
     url = db.database_url(settings)
     db.upgrade(url)
     engine = db.make_engine(url)
@@ -64,13 +66,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
         with factory() as s, s.begin():
             write_steps(s, [StepRecord.from_json(record)], new_id)
 
+    written: list[str] = []
+    failed: list[tuple[str, str]] = []
     try:
-        result = deadletters.replay(settings.spool_dir, write, letters)
+        for spool_dir, letters in chosen.items():
+            result = deadletters.replay(spool_dir, write, letters)
+            written += result.written
+            failed += result.failed
     finally:
         engine.dispose()
-    print(json.dumps({"written": result.written, "failed": [{"step_id": i, "error": e} for i, e in result.failed]},
-                     sort_keys=True))
-    return 1 if result.failed else 0
+    print(json.dumps({"written": written, "failed": [{"step_id": i, "error": e} for i, e in failed]}, sort_keys=True))
+    return 1 if failed else 0
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
@@ -81,7 +87,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
         print("atdp deadletters purge needs --all or a filter (--tenant, --session, --step, --older-than-days)",
               file=sys.stderr)
         return 2
-    gone = deadletters.purge(_spool_dir(), _selected(args))
+    gone = [d for spool_dir in _spool_dirs() for d in deadletters.purge(spool_dir, _selected(args))]
     print(json.dumps({"purged": len(gone), "step_ids": [d.step_id for d in gone]}, sort_keys=True))
     return 0
 

@@ -1,8 +1,10 @@
 """`atdp forget`, `atdp retention run`, `atdp policy show|set`: governance from the command line.
 
-They work on the database directly (audited with actor "cli"). A running proxy keeps a cache of
-which contents it has stored; after a CLI forget it may skip re-storing a content it still believes
-stored, so prefer the admin API (`DELETE /atdp/v1/...`) while a proxy serves.
+They work on the database directly (audited with actor "cli"). A forget or retention run announces
+what it deleted when it commits, and every proxy listening on the database lets go of it (its
+caches, spool and dead letters: proxy.control.admin.ForgetFollower); dead letters are purged here in
+every worker's folder. While a proxy serves, the admin API (`DELETE /atdp/v1/...`) also writes out
+that proxy's queue first.
 """
 
 from __future__ import annotations
@@ -55,16 +57,21 @@ def cmd_forget(args) -> int:
                 except LookupError as e:
                     print(str(e), file=sys.stderr)
                     return 2
-                letters = deadletters.purge_session(spool_dir, args.session, report.tenant if report else args.tenant)
+                letters = [d for folder in deadletters.spool_dirs(spool_dir) for d in deadletters.purge_session(
+                    folder, args.session, report.tenant if report else args.tenant)]
                 if report is None and not letters:
                     print(f"no session {args.session!r}", file=sys.stderr)
                     return 1
+                if report is None:  # only dead letters: as the route does, a tombstone, and every proxy told
+                    forget.tombstone(s, letters[0].tenant, args.session)
+                    forget.announce(s, forget.Forgotten(tenant=letters[0].tenant), sessions=[args.session])
                 _print({"forgotten": "session", "session_id": args.session,
                         "tenant": report.tenant if report else letters[0].tenant,
                         **(report.counts() if report else {}), "dead_letters": len(letters)})
             else:
                 report = forget.forget_tenant(s, args.tenant, actor="cli", reason=args.reason)
-                letters = deadletters.purge_tenant(spool_dir, args.tenant)
+                letters = [d for folder in deadletters.spool_dirs(spool_dir)
+                           for d in deadletters.purge_tenant(folder, args.tenant)]
                 _print({"forgotten": "tenant", "tenant": args.tenant, **report.counts(), "dead_letters": len(letters)})
     finally:
         engine.dispose()
@@ -83,7 +90,8 @@ def cmd_retention(args) -> int:
         with tx as s:
             reports = forget.run_retention(s, policy_for=policies.policy_for, actor="cli",
                                            quiet_s=settings.session_ttl_s)
-            letters = deadletters.purge_expired(spool_dir, lambda tenant: policies.policy_for(s, tenant).retention_days)
+            letters = [d for folder in deadletters.spool_dirs(spool_dir) for d in deadletters.purge_expired(
+                folder, lambda tenant: policies.policy_for(s, tenant).retention_days)]
         _print({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports], "dead_letters": len(letters)})
     finally:
         engine.dispose()

@@ -25,6 +25,7 @@ import pytest
 from sqlalchemy import select
 
 from proxy.record import deadletters
+from proxy.record.spool import Spool
 from proxy.store import tables as t
 from proxy.store.ids import new_id
 from proxy.store.write import SessionInfo, StepRecord
@@ -142,6 +143,25 @@ def test_deadletters_cli_lists_replays_and_purges(start_proxy, fake_upstream, db
     purged = atdp(proxy, db_url, "deadletters", "purge", "--step", bad.id)
     assert orjson.loads(purged.stdout) == {"purged": 1, "step_ids": [bad.id]}
     assert atdp(proxy, db_url, "deadletters", "list").stdout == ""
+
+
+def test_deadletters_cli_and_forget_cover_every_workers_folder(start_proxy, fake_upstream, db_url):
+    """`atdp serve --workers N` sets refused steps aside per worker (spool/worker-K/rejected): the
+    command line lists, purges and forgets across all of them, not only the folder of a single proxy."""
+    proxy = start_proxy([fake_upstream.url])
+    spool = proxy.state.settings.spool_dir
+    records = {k: refused_record(proxy.tenant, f"dl-w{k}") for k in (0, 2, 3)}
+    for k, rec in records.items():
+        Spool(spool / f"worker-{k}" if k else spool).reject([rec.to_json()], reason="DataError: test")
+    listed = atdp(proxy, db_url, "deadletters", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(x["session"] for x in lines(listed.stdout)) == ["dl-w0", "dl-w2", "dl-w3"]
+    purged = atdp(proxy, db_url, "deadletters", "purge", "--session", "dl-w2")
+    assert orjson.loads(purged.stdout)["step_ids"] == [records[2].id]
+    forgot = atdp(proxy, db_url, "forget", "--session", "dl-w3", "--tenant", proxy.tenant)
+    assert forgot.returncode == 0, forgot.stderr
+    assert orjson.loads(forgot.stdout)["dead_letters"] == 1  # a session only dead letters hold, in worker 3's
+    assert [x["session"] for x in lines(atdp(proxy, db_url, "deadletters", "list").stdout)] == ["dl-w0"]
 
 
 def test_forget_purges_a_sessions_and_a_tenants_dead_letters(start_proxy, fake_upstream, factory):

@@ -15,6 +15,7 @@ stamps the new version afterwards.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -121,6 +122,54 @@ def test_three_workers_keep_one_session_per_conversation_and_drain_on_sigterm(tm
         assert [s.id for s in steps] == ids
         assert [s.parent_step_id for s in steps] == [None, *ids[:-1]]
     assert not any((tmp_path / "home" / "spool").rglob("*.jsonl"))
+
+
+def test_a_forget_through_one_worker_purges_every_workers_dead_letters(tmp_path, own_db, fake_upstream):
+    """Each worker sets refused steps aside in its own folder (spool/worker-K/rejected); a forget
+    reaches one worker, which announces it: every worker purges its own."""
+    url, factory = own_db
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    proc = start_workers(tmp_path, fake_upstream.url, url, tenant, port, ATDP_FLUSH_INTERVAL_S="0.05")
+    try:
+        wait_all_ready(port, proc)
+        for name in ("gone", "kept"):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"x-atdp-session-id": name},
+                           json={"model": "fake", "messages": [{"role": "user", "content": f"about {name}"}]},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        spool = tmp_path / "home" / "spool"
+        for k in range(1, WORKERS + 1):  # what a database refusal leaves, in every worker's folder
+            folder = spool / f"worker-{k}" / "rejected"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{time.time_ns():020d}-test.jsonl").write_text("".join(
+                json.dumps({"reason": "test", "record": {"kind": "step", "id": str(uuid.uuid4()), "session": {
+                    "tenant_id": tenant, "external_id": name}}}) + "\n" for name in ("gone", "kept")))
+
+        def letters() -> list[str]:
+            return sorted(json.loads(line)["record"]["session"]["external_id"]
+                          for f in spool.glob("worker-*/rejected/*.jsonl") for line in f.read_text().splitlines())
+
+        assert letters() == ["gone"] * WORKERS + ["kept"] * WORKERS
+        deadline = time.monotonic() + 30
+        while not _stored(factory, tenant, "gone"):
+            assert time.monotonic() < deadline, "the session was never stored"
+            time.sleep(0.1)
+        r = httpx.delete(f"http://127.0.0.1:{port}/atdp/v1/sessions/gone", timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["steps"] == 1 and r.json()["dead_letters"] == 1  # the answering worker's own
+        while letters() != ["kept"] * WORKERS:
+            assert time.monotonic() < deadline, letters()
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _stored(factory, tenant: str, session: str) -> bool:
+    with factory() as s:
+        return bool(s.scalar(select(func.count()).select_from(t.Step).join(t.Session, t.Session.id == t.Step.session_id)
+                             .where(t.Session.tenant_id == tenant, t.Session.external_id == session)))
 
 
 def _traffic(port: int, stop: threading.Event, results: list[str], errors: list[str], offset: int) -> None:
