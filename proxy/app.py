@@ -300,6 +300,7 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
                 canarybus.attach(state, swaps)  # a canary begun on another proxy routes here too
                 follower = admin.ForgetFollower(state)  # a forget run elsewhere is applied here too
                 swaps.bus.handlers["forget"] = follower.on_note
+                swaps.bus.handlers["policy"] = follower.on_policy
                 swaps.bus.on_connect.append(follower.on_connect)
                 state.bus_id = swaps.bus.me
             engine = db.make_engine(url)

@@ -60,7 +60,8 @@ def forget_here(state: AppState, tenant: str, step_ids: list[str], content_hashe
 
 
 class ForgetFollower:
-    """Forgets run elsewhere (another proxy, `atdp forget`, another proxy's retention), applied here.
+    """Forgets run elsewhere (another proxy, `atdp forget`, another proxy's retention), applied here;
+    and policy changes made elsewhere, which the writer reads again at once (`on_policy`).
 
     A forget announces itself in notes of under 8 KB each (proxy.governance.forget.announce), all
     delivered at its commit; notes that arrive within `coalesce_s` of each other are applied as one
@@ -82,6 +83,11 @@ class ForgetFollower:
             self.state.recorder.forget("", content_hashes=None)
             log.info("notes listener reconnected: the writer's stored-contents cache was cleared")
         self._connected = True
+
+    async def on_policy(self, msg: dict[str, Any]) -> None:
+        """A tenant's policy changed (any proxy, or `atdp policy set`): the writer reads it again now."""
+        if isinstance(tenant := msg.get("tenant"), str):
+            self.state.recorder.forget(tenant, content_hashes=[])
 
     async def on_note(self, msg: dict[str, Any]) -> None:
         self._notes.append(msg)

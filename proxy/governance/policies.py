@@ -7,12 +7,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+import orjson
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from proxy.config import Settings
 from proxy.governance.policy import TenantPolicy, load_policies
 from proxy.store import tables as t
+from proxy.store.notes import NOTIFY
 from proxy.store.write import ensure_tenant
 
 
@@ -59,4 +61,6 @@ class Policies:
         row.policy_updated_at = datetime.now(UTC)
         s.add(t.AuditEvent(actor=actor, tenant_id=tenant, action="policy.update", target=tenant,
                            details={"changes": changes}))
+        # Every proxy's writer caches a tenant's policy for 10 s: told at commit, each reads it again now.
+        s.execute(NOTIFY, {"payload": orjson.dumps({"op": "policy", "from": "", "tenant": tenant}).decode()})
         return merged

@@ -6,7 +6,7 @@ keys, its spool and dead letters. Before the announcement, a proxy that had not 
 believing the deleted contents stored: its next call with the same system prompt wrote a step whose
 content rows did not exist (the transcript could not be rebuilt). Now the forget is announced on the
 proxies' channel in its own transaction, and each proxy lets go of the same things the one that ran
-it does.
+it does. A tenant's policy change is announced the same way, so no writer keeps the old one.
 """
 
 from __future__ import annotations
@@ -137,6 +137,24 @@ def test_retention_run_elsewhere_reaches_running_proxies(start_proxy, fake_upstr
     _chat(p, system, "an old question", "new")
     p.flush()
     assert _missing_contents(factory, tenant, "new") == []
+
+
+def test_a_policy_changed_on_one_proxy_applies_at_once_on_another(start_proxy, fake_upstream, factory):
+    """Writers cache a tenant's policy for 10 s; a change is announced when it commits, and every
+    proxy's writer reads it again for its next step."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    a, b = (start_proxy([fake_upstream.url], tenant=tenant) for _ in range(2))
+    _until(lambda: all(p.versions.bus is not None and p.versions.bus.ready.is_set() for p in (a, b)))
+    _chat(b, "You are an agent.", "first", "before")
+    b.flush()
+    assert tenant in b.state.recorder.preparer._policies  # b's writer holds the tenant's policy now
+    r = httpx.put(f"{a.url}/atdp/v1/tenants/{tenant}/policy", headers=ADMIN, json={"training_consent": False})
+    assert r.status_code == 200, r.text
+    _until(lambda: tenant not in b.state.recorder.preparer._policies)
+    _chat(b, "You are an agent.", "second", "after")
+    [before], [after] = b.steps(factory, "before"), b.steps(factory, "after")
+    assert (before.eligibility, after.eligibility) == ("eligible", "audit_only")
+    assert after.eligibility_reason == "no training consent"
 
 
 def test_a_large_forget_is_announced_in_notes_postgresql_accepts(factory):
