@@ -297,7 +297,8 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
                                         shared=settings.shared_links)
             if settings.shared_swaps:
                 swaps.bus = SwapBus(url, state.pool, drain_timeout_s=settings.swap_drain_timeout_s)
-                canarybus.attach(state, swaps)  # a canary begun on another proxy routes here too
+                # A canary begun on another proxy routes here too, and this proxy monitors it (standby).
+                canarybus.attach(state, swaps, lambda ref: canary.start_monitor(state, swaps, ref))
                 follower = admin.ForgetFollower(state)  # a forget run elsewhere is applied here too
                 swaps.bus.handlers["forget"] = follower.on_note
                 swaps.bus.handlers["policy"] = follower.on_policy

@@ -40,6 +40,10 @@ class CanaryRouter:
         return len(self._arms)  # sessions whose arm is cached
 
     def activate(self, ref: CanaryRef, all_replicas: list[str]) -> None:
+        """Route by `ref`'s arms. The canary already active is kept as it is (start-up and the swap
+        channel may both find it): its monitor follows that object."""
+        if self.active is not None and self.active.version_id == ref.version_id:
+            return
         self._arms.clear()
         self.all_replicas = frozenset(all_replicas)
         self.active = ref

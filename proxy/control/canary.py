@@ -117,8 +117,8 @@ def start_monitor(state: AppState, versions: Versions, ref: CanaryRef) -> None:
 
 async def resume(state: AppState, versions: Versions) -> None:
     """At start-up: once the versions are loaded, the canary that was running then goes on being
-    monitored. Only that one: a canary another proxy begins later (heard of on the swap bus, perhaps
-    before this poll) is routed here, not monitored (proxy.control.canarybus.sync)."""
+    monitored, unless the swap channel's listener started a monitor of it first (one canary at a
+    time; proxy.control.canarybus.sync monitors a canary heard of there)."""
     while not versions.ready.is_set():  # polled: a thread blocked on the event would outlive shutdown
         await asyncio.sleep(0.5)
     ref, found = state.canary.active, versions.canary_at_start

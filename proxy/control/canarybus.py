@@ -5,10 +5,11 @@ the candidate's version id and whether it is now active. Every other proxy then 
 row (proxy.store.canary.active_canary) and routes new sessions by its arms, or stops routing. A
 session's arm is a row of `canary_sessions`, written by whichever proxy serves its first call, so
 every proxy keeps it on the same arm. When a proxy's listener (re)connects it reads the row again,
-in case it missed an announcement. The monitor (the decision) runs where the canary began; a proxy
-started while it runs (proxy.control.canary.resume) starts one too, but a monitor decides only while
-it holds the monitor lock (`sole_monitor`, an advisory lock), so one decides at a time and another
-takes over when that proxy goes away.
+in case it missed an announcement. Every proxy that routes a canary runs its monitor (the decision):
+the one that began it, one started while it runs (proxy.control.canary.resume), and one that heard
+of it here. A monitor decides only while it holds the monitor lock (`sole_monitor`, an advisory
+lock), so one decides at a time and another takes over when that proxy goes away, even for good (a
+replica scaled down).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from proxy.control.swap import Versions
 from proxy.control.swapbus import lock_key
 from proxy.http import run_db
 from proxy.state import AppState
-from proxy.store.canary import active_canary
+from proxy.store.canary import CanaryRef, active_canary
 
 log = logging.getLogger("atdp.canary")
 
@@ -32,8 +33,9 @@ OP = "canary"
 MONITOR_KEY = lock_key("canary-monitor")
 
 
-def attach(state: AppState, versions: Versions) -> None:
-    """Follow other proxies' canaries (called once the swap bus exists)."""
+def attach(state: AppState, versions: Versions, monitor: Callable[[CanaryRef], None]) -> None:
+    """Follow other proxies' canaries (called once the swap bus exists); `monitor(ref)` starts this
+    proxy's monitor of a canary it now routes (proxy.control.canary.start_monitor)."""
     bus = versions.bus
     assert bus is not None
 
@@ -44,18 +46,18 @@ def attach(state: AppState, versions: Versions) -> None:
                 state.canary.deactivate()
                 log.info("canary of %s ended on another proxy: routing stopped here", ref.candidate)
             return
-        await sync(state, versions)
+        await sync(state, versions, monitor)
 
     async def on_connect() -> None:
-        await sync(state, versions)
+        await sync(state, versions, monitor)
 
     bus.handlers[OP] = on_note
     bus.on_connect.append(on_connect)
 
 
-async def sync(state: AppState, versions: Versions) -> None:
-    """Route by the canary PostgreSQL holds (none: stop routing), unless this proxy runs its monitor
-    (it owns the canary's end)."""
+async def sync(state: AppState, versions: Versions, monitor: Callable[[CanaryRef], None]) -> None:
+    """Route by the canary PostgreSQL holds (none: stop routing), and monitor it, unless this proxy
+    runs its monitor already (that one owns the canary's end here)."""
     if state.factory is None or (versions.canary_task is not None and not versions.canary_task.done()):
         return
     ref = await run_db(state, active_canary)
@@ -67,6 +69,8 @@ async def sync(state: AppState, versions: Versions) -> None:
     if current is None or current.version_id != ref.version_id:
         state.canary.activate(ref, [r.label for r in state.pool.replicas])
         log.info("canary of %s (begun on another proxy) routes new sessions here too", ref.candidate)
+    assert state.canary.active is not None
+    monitor(state.canary.active)  # waits for the monitor lock: decides if the proxy holding it goes away
 
 
 async def announce(versions: Versions, version_id: str, *, active: bool) -> None:

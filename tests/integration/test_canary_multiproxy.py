@@ -3,10 +3,13 @@
 Two proxies share one database and two scripted replicas. Proxy A begins the canary (the first
 replica serves the candidate); proxy B learns of it from the swap channel. Sessions start on B and
 continue on both: each is assigned once (by whichever proxy served its first call) and every one of
-its calls, on either proxy, is served by its arm's version. A third proxy started meanwhile resumes
-the canary: it routes too, and its monitor waits for the monitor lock A holds (one decides). An
-operator's rollback sent to B ends the canary everywhere: every proxy stops routing, both monitors
-stop, the group gets its weights back.
+its calls, on either proxy, is served by its arm's version. B monitors it too, and a third proxy
+started meanwhile resumes it: each routes, and each monitor waits for the monitor lock A holds (one
+decides). An operator's rollback sent to B ends the canary everywhere: every proxy stops routing,
+every monitor stops, the group gets its weights back.
+
+And when the proxy that began a canary goes away for good (a replica scaled down), a proxy that only
+heard of it takes the monitor lock and decides it.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
         assert r.json()["status"] == "canary", r.text
         vid = r.json()["id"]
         _until(lambda: b.state.canary.active is not None, "proxy B never learned of the canary")
-        assert b.state.canary.active.version_id == vid and b.versions.canary_task is None  # routes, does not decide
-        # B's start-up resume may run after B heard of the canary (it polls every 0.5 s): it resumes
-        # only a canary that was running when B started, so B still routes without a monitor.
+        assert b.state.canary.active.version_id == vid
+        _until(lambda: b.versions.canary_task is not None, "proxy B never monitored the canary")
+        standby = b.versions.canary_task
+        # B's start-up resume may run after B heard of the canary (it polls every 0.5 s): it starts no
+        # second monitor.
         asyncio.run(canary.resume(b.state, b.versions))
-        assert b.versions.canary_task is None
+        assert b.versions.canary_task is standby
         assert [rep.version for rep in b.state.pool.replicas] == ["cand", "base"]
         c = start_proxy([s.url for s in servers], **opts)  # started during the canary: resumes it
         assert c.versions.ready.wait(30)
@@ -75,7 +80,7 @@ def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
                 _call((a, b, c)[(k + turn) % 3], sid, turn)
         for p in (a, b, c):
             p.flush()
-        assert not c.versions.canary_task.done()  # waiting for the monitor lock A holds
+        assert not standby.done() and not c.versions.canary_task.done()  # waiting for the lock A holds
         with factory() as s:
             arms = dict(s.execute(select(t.CanarySession.session_id, t.CanarySession.arm)
                                   .where(t.CanarySession.version_id == vid)).all())
@@ -93,12 +98,51 @@ def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
         assert back.status_code == 200 and back.json()["status"] == "rolled_back", back.text
         _until(lambda: a.state.canary.active is None, "proxy A kept routing after the rollback")
         _until(lambda: c.state.canary.active is None, "proxy C kept routing after the rollback")
-        for p in (a, c):
+        for p in (a, b, c):
             _until(lambda p=p: p.versions.canary_task.done(), "a monitor went on")
         assert fakes[0].weights == "fake" and b.state.canary.active is None
         assert [rep.version for p in (a, b, c) for rep in p.state.pool.replicas] == ["base"] * 6
         with factory() as s:
             assert s.get(t.Canary, vid).decision == "rolled_back"
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_a_proxy_that_only_heard_of_the_canary_decides_it_once_its_beginner_is_gone(start_proxy, own_db):
+    url, factory = own_db
+    fakes = [FakeVLLM(), FakeVLLM()]
+    servers = [ServerThread(f).start() for f in fakes]
+    try:
+        opts = {"database_url": url, "canary_fraction": 0.5, "canary_check_s": 0.2, "canary_promote_margin": 0.3,
+                "tenant": "t-canary-gone"}
+        a = start_proxy([s.url for s in servers], **opts)
+        b = start_proxy([s.url for s in servers], **opts)
+        assert a.versions.ready.wait(30) and b.versions.ready.wait(30)
+        _until(lambda: all(p.versions.bus is not None and p.versions.bus.ready.is_set() for p in (a, b)),
+               "swap listeners never ready")
+        r = httpx.post(a.url + "/atdp/v1/versions", headers=ADMIN, timeout=60,
+                       json={"checkpoint": "/ckpt/cand", "name": "cand", "wait": True})
+        assert r.json()["status"] == "canary", r.text
+        vid = r.json()["id"]
+        _until(lambda: b.versions.canary_task is not None, "proxy B never monitored the canary")
+        a.server.stop()  # the proxy that began it goes for good: its monitor lock goes with its connection
+        n = 0
+        status = "canary"
+        while status == "canary" and n < 200:  # both arms rewarded alike, on B, until B's monitor promotes
+            sid = f"r{n}"
+            _call(b, sid, 0)
+            b.flush()
+            fb = httpx.post(f"{b.url}/atdp/v1/sessions/{sid}/feedback", json={"reward": 1.0}, timeout=30)
+            assert fb.status_code in (200, 201), fb.text
+            status = httpx.get(b.url + "/atdp/v1/versions/cand", headers=ADMIN, timeout=30).json()["status"]
+            n += 1
+        assert status == "serving", n
+        assert b.versions.canary_task.done() and b.state.canary.active is None
+        assert [f.weights for f in fakes] == ["cand", "cand"]
+        with factory() as s:
+            row = s.get(t.Canary, vid)
+            assert row.decision == "promoted" and row.decided_at is not None
     finally:
         for s in servers:
             s.stop()
