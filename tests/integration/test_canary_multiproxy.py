@@ -41,6 +41,19 @@ def _until(cond, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _canary_on_a(start_proxy, servers, opts: dict):
+    """Proxies A and B on the same replicas, both listening; A begins the canary of `cand`: (a, b, id)."""
+    a = start_proxy([s.url for s in servers], **opts)
+    b = start_proxy([s.url for s in servers], **opts)
+    assert a.versions.ready.wait(30) and b.versions.ready.wait(30)
+    _until(lambda: all(p.versions.bus is not None and p.versions.bus.ready.is_set() for p in (a, b)),
+           "swap listeners never ready")
+    r = httpx.post(a.url + "/atdp/v1/versions", headers=ADMIN, timeout=60,
+                   json={"checkpoint": "/ckpt/cand", "name": "cand", "wait": True})
+    assert r.json()["status"] == "canary", r.text
+    return a, b, r.json()["id"]
+
+
 def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
     url, factory = own_db
     fakes = [FakeVLLM(), FakeVLLM()]
@@ -49,15 +62,7 @@ def test_canary_begun_on_one_proxy_routes_on_the_other(start_proxy, own_db):
         opts = {"database_url": url, "canary_fraction": 0.5, "canary_check_s": 0.5, "tenant": "t-canary2",
                 # No decision during the test: the operator ends it.
                 "canary_promote_margin": 0.0, "canary_error_rise": 1.0, "canary_tool_failure_rise": 1.0}
-        a = start_proxy([s.url for s in servers], **opts)
-        b = start_proxy([s.url for s in servers], **opts)
-        assert a.versions.ready.wait(30) and b.versions.ready.wait(30)
-        _until(lambda: all(p.versions.bus is not None and p.versions.bus.ready.is_set() for p in (a, b)),
-               "swap listeners never ready")
-        r = httpx.post(a.url + "/atdp/v1/versions", headers=ADMIN, timeout=60,
-                       json={"checkpoint": "/ckpt/cand", "name": "cand", "wait": True})
-        assert r.json()["status"] == "canary", r.text
-        vid = r.json()["id"]
+        a, b, vid = _canary_on_a(start_proxy, servers, opts)
         _until(lambda: b.state.canary.active is not None, "proxy B never learned of the canary")
         assert b.state.canary.active.version_id == vid
         _until(lambda: b.versions.canary_task is not None, "proxy B never monitored the canary")
@@ -116,15 +121,7 @@ def test_a_proxy_that_only_heard_of_the_canary_decides_it_once_its_beginner_is_g
     try:
         opts = {"database_url": url, "canary_fraction": 0.5, "canary_check_s": 0.2, "canary_promote_margin": 0.3,
                 "tenant": "t-canary-gone"}
-        a = start_proxy([s.url for s in servers], **opts)
-        b = start_proxy([s.url for s in servers], **opts)
-        assert a.versions.ready.wait(30) and b.versions.ready.wait(30)
-        _until(lambda: all(p.versions.bus is not None and p.versions.bus.ready.is_set() for p in (a, b)),
-               "swap listeners never ready")
-        r = httpx.post(a.url + "/atdp/v1/versions", headers=ADMIN, timeout=60,
-                       json={"checkpoint": "/ckpt/cand", "name": "cand", "wait": True})
-        assert r.json()["status"] == "canary", r.text
-        vid = r.json()["id"]
+        a, b, vid = _canary_on_a(start_proxy, servers, opts)
         _until(lambda: b.versions.canary_task is not None, "proxy B never monitored the canary")
         a.server.stop()  # the proxy that began it goes for good: its monitor lock goes with its connection
         n = 0
