@@ -302,6 +302,8 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
                 follower = admin.ForgetFollower(state)  # a forget run elsewhere is applied here too
                 swaps.bus.handlers["forget"] = follower.on_note
                 swaps.bus.handlers["policy"] = follower.on_policy
+                swaps.bus.handlers["serving"] = swaps.on_serving  # another proxy's promotion
+                swaps.bus.on_connect.append(swaps.read_serving)
                 swaps.bus.on_connect.append(follower.on_connect)
                 state.bus_id = swaps.bus.me
             engine = db.make_engine(url)

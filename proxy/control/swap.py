@@ -82,6 +82,43 @@ class Versions:
             finally:
                 self._driver = None
 
+    # --- the serving version, the same on every proxy -----------------------------------------
+
+    async def _announce_serving(self, target: VersionRef) -> None:
+        """Every other proxy on the database takes `target` as the serving version: the base of its
+        next gates and swaps, what a failed swap restores, a new version's parent."""
+        if self.bus is None:
+            return
+        try:
+            await self.bus.notify({"op": "serving", "version": {"id": target.id, "name": target.name,
+                                                                "checkpoint": target.checkpoint}})
+        except Exception as e:  # they read the serving row when their listener reconnects
+            log.warning("serving version not announced (%s: %s)", type(e).__name__, e)
+
+    async def on_serving(self, msg: dict[str, Any]) -> None:
+        """Another proxy made a version the serving one (the swap channel's `serving` note)."""
+        v = msg.get("version")
+        if isinstance(v, dict) and all(isinstance(v.get(k), str) for k in ("id", "name", "checkpoint")):
+            self.current = VersionRef(v["id"], v["name"], v["checkpoint"])
+            log.info("%s serves now (swapped by another proxy)", v["name"])
+
+    async def read_serving(self) -> None:
+        """The serving version as PostgreSQL records it: when the listener (re)connects, since it may
+        have missed a `serving` note. Not while this proxy swaps (its own view is the newer one)."""
+        factory = self.state.factory
+        if factory is None or self.current is None or self._driver is not None or self.lock.locked():
+            return  # before start-up's own read (it also registers the base), or mid-swap
+
+        def read() -> VersionRef | None:
+            with factory() as s:
+                row = serving_version(s)
+                return VersionRef(row.id, row.name, row.checkpoint) if row else None
+
+        found = await asyncio.to_thread(read)
+        if found is not None and found != self.current:
+            log.info("%s serves now (read on reconnecting)", found.name)
+            self.current = found
+
     @contextlib.asynccontextmanager
     async def closed(self, replica: Replica) -> AsyncIterator[Replica]:
         """`replica`'s gate closed and drained on this proxy and, while driving, on every proxy; on
@@ -278,6 +315,7 @@ class Versions:
         seconds = time.perf_counter() - t0
         if becomes_current:
             self.current = target
+            await self._announce_serving(target)
         telemetry.SWAPS.labels("ok").inc()
         telemetry.SWAP_SECONDS.observe(seconds)
         log.info("%s %s on %d replica(s) (%.3f s)", "now serving" if becomes_current else "loaded", target.name,

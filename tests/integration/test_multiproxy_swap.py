@@ -135,3 +135,40 @@ def test_a_second_driver_is_refused_while_one_swaps(start_proxy, own_db, fake_up
     listing = httpx.get(b.url + "/atdp/v1/versions", headers=ADMIN, timeout=10).json()
     assert all(v["status"] != "failed" for v in listing["data"])
     assert fake_upstream.weights == "w0"  # nothing was reloaded
+
+
+def test_a_version_promoted_on_one_proxy_is_the_serving_version_of_every_proxy(start_proxy, own_db):
+    """Each proxy remembers the serving version: the base of its gates and swaps, what a failed swap
+    restores, a new version's parent. A swap driven by another proxy is announced. Before, the other
+    proxy kept the old one: its next failed swap "restored" base on the first replica and stamped
+    both replicas base, while the second still held v1's weights (measured with this test)."""
+    url, _ = own_db
+    fakes = [FakeVLLM(), FakeVLLM()]
+    servers = [ServerThread(f).start() for f in fakes]
+    try:
+        a, b = (start_proxy([s.url for s in servers], database_url=url, tenant="t-serving") for _ in range(2))
+        deadline = time.monotonic() + 30
+        while not all(p.versions.ready.is_set() and p.versions.bus is not None and p.versions.bus.ready.is_set()
+                      for p in (a, b)):
+            assert time.monotonic() < deadline, "proxies never ready"
+            time.sleep(0.05)
+        r = httpx.post(a.url + "/atdp/v1/versions", headers=ADMIN, timeout=120,
+                       json={"checkpoint": "/ckpt/w1", "name": "v1", "promote": "now"})
+        assert r.status_code == 200, r.text
+        v1 = r.json()["id"]
+        while b.versions.current is None or b.versions.current.name != "v1":
+            assert time.monotonic() < deadline, "proxy B never heard that v1 serves"
+            time.sleep(0.05)
+        assert httpx.get(b.url + "/atdp/v1/versions", headers=ADMIN).json()["serving"] == "v1"
+
+        fakes[1].fail_reload = True  # B's swap to v2 fails on the second replica: v1 comes back everywhere
+        r = httpx.post(b.url + "/atdp/v1/versions", headers=ADMIN, timeout=120,
+                       json={"checkpoint": "/ckpt/w2", "name": "v2", "promote": "now"})
+        assert r.status_code == 502, r.text
+        assert r.json()["parent"] == v1
+        assert [f.weights for f in fakes] == ["w1", "w1"] and [f.version for f in fakes] == ["v1", "v1"]
+        assert [rep.version for p in (a, b) for rep in p.state.pool.replicas] == ["v1"] * 4
+        assert a.versions.current.name == b.versions.current.name == "v1"
+    finally:
+        for s in servers:
+            s.stop()
