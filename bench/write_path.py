@@ -8,11 +8,14 @@ pass-through and the figures are the writer's and PostgreSQL's own cost.
 
 Reports per round: sustained steps/s (wall), the writer's CPU ms per step (this process, user+sys)
 and PostgreSQL's CPU ms per step (the writer's own backend, from /proc: Linux, local server only),
-and the load average. With --baseline REF the same rounds run on that git ref too (its tree
-extracted to a temporary folder, its own migrations), interleaved, so both sides share the load.
+steps per CPU-second of both (what one core would carry), and the load average. With --baseline REF
+the same rounds run on that git ref too (its tree extracted to a temporary folder, its own
+migrations), interleaved, so both sides share the load. With --writers K, K writer processes (one
+per proxy process, as `atdp serve --workers K` runs them) each write their share of the sessions
+into the one database, released together: steps/s is the fleet's, the CPU figures are summed.
 
   python bench/write_path.py --database-url postgresql://postgres@127.0.0.1:5432/postgres \
-      [--baseline main] [--sessions 200] [--turns 30] [--rounds 2] [--batch 256]
+      [--baseline main] [--sessions 200] [--turns 30] [--rounds 2] [--batch 256] [--writers 2]
 """
 
 from __future__ import annotations
@@ -68,14 +71,15 @@ def backend_pids(engine) -> list[int]:
     return pids
 
 
-def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int) -> dict:
-    """Create a database, migrate it with this tree's migrations, write the steps, measure, drop it."""
-    from agent_steps import interleaved
+def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int, writers: int = 1) -> dict:
+    """Create a database, migrate it with this tree's migrations, write the steps, measure, drop it.
+    With `writers` > 1, that many writer processes (one per proxy, as `atdp serve --workers N` runs
+    them) each write their share of the sessions (sticky routing: a session's steps reach one writer),
+    released together; the round's wall is the first start to the last end."""
+    import multiprocessing as mp
+
     from sqlalchemy import create_engine
 
-    from proxy.governance.policy import TenantPolicy
-    from proxy.record.recorder import Recorder
-    from proxy.record.spool import Spool
     from proxy.store import db
 
     name = f"atdp_bench_{uuid.uuid4().hex[:10]}"
@@ -85,52 +89,85 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int) 
     url = db.sqlalchemy_url(admin_url).rsplit("/", 1)[0] + f"/{name}"
     try:
         db.upgrade(url)
-        # As the writer child connects (custom plans); a baseline tree without that option: its default.
-        try:
-            engine = db.make_engine(url, pool_size=1, max_overflow=0, custom_plans=True)
-        except TypeError:
-            engine = db.make_engine(url, pool_size=1, max_overflow=0)
-        backends = backend_pids(engine)
-
-        steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)
-        # The whole load is built up front (tens of millions of token ids); out of the collector's
-        # sight, as the writer child freezes its start-up heap, or full collections walking it would
-        # be most of what is measured. In production only the batch in flight is in memory.
-        gc.collect()
-        gc.freeze()
-        with tempfile.TemporaryDirectory() as spool_dir:
-            rec = Recorder(secret=b"bench-secret", factory=db.session_factory(engine), spool=Spool(Path(spool_dir)),
-                           redactor=PassThrough(), policy_for=lambda s, tenant: TenantPolicy(),
-                           batch_size=batch)
-            rec.persist_now(steps[:batch])  # connect, warm the caches
-            steps = steps[batch:]
-            pg0 = sum(proc_cpu(p) for p in backends)
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            prep = 0.0
-            for i in range(0, len(steps), batch):
-                # persist_now's two halves, timed apart: prepare (content addressing, records, token
-                # prefixes) and the write (one transaction).
-                c0 = time.process_time()
-                records = rec.prepare(steps[i : i + batch])
-                prep += time.process_time() - c0
-                rec._persist(records)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            pg = sum(proc_cpu(p) for p in backends) - pg0
-            with engine.connect() as c:
-                written = c.exec_driver_sql("SELECT count(*) FROM steps").scalar_one()
-            rec.spool.close()
+        if writers == 1:
+            parts = [_writer(url, sessions, turns, batch, seed, 0, 1, None, None)]
+        else:
+            ctx = mp.get_context("fork")
+            start, results = ctx.Barrier(writers), ctx.Queue()
+            procs = [ctx.Process(target=_writer, args=(url, sessions, turns, batch, seed, k, writers, start, results))
+                     for k in range(writers)]
+            for pr in procs:
+                pr.start()
+            parts = [results.get(timeout=600) for _ in procs]
+            for pr in procs:
+                pr.join()
+        engine = create_engine(url)
+        with engine.connect() as c:
+            written = c.exec_driver_sql("SELECT count(*) FROM steps").scalar_one()
         engine.dispose()
-        n = len(steps)
-        return {"steps": n, "written_total": written, "spooled": rec.stats["spooled"], "wall_s": round(wall, 3),
-                "steps_per_s": round(n / wall, 1), "writer_cpu_ms_per_step": round(1000 * cpu / n, 3),
-                "prepare_cpu_ms_per_step": round(1000 * prep / n, 3), "write_cpu_ms_per_step": round(1000 * (cpu - prep) / n, 3),
-                "pg_cpu_ms_per_step": round(1000 * pg / n, 3),
-                "cpu_bound_steps_per_s": round(n / (cpu + pg), 1) if cpu + pg else None,
-                "load_avg_1m": os.getloadavg()[0]}
     finally:
         with admin.connect() as c:
             c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+    n = sum(p["n"] for p in parts)
+    wall = max(p["t1"] for p in parts) - min(p["t0"] for p in parts)
+    cpu, prep, pg = (sum(p[k] for p in parts) for k in ("cpu", "prep", "pg"))
+    return {"steps": n, "written_total": written, "spooled": sum(p["spooled"] for p in parts), "writers": writers,
+            "wall_s": round(wall, 3), "steps_per_s": round(n / wall, 1), "writer_cpu_ms_per_step": round(1000 * cpu / n, 3),
+            "prepare_cpu_ms_per_step": round(1000 * prep / n, 3), "write_cpu_ms_per_step": round(1000 * (cpu - prep) / n, 3),
+            "pg_cpu_ms_per_step": round(1000 * pg / n, 3),
+            "cpu_bound_steps_per_s": round(n / (cpu + pg), 1) if cpu + pg else None,
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def _writer(url: str, sessions: int, turns: int, batch: int, seed: int, k: int, writers: int, start, results) -> dict:
+    """Writer `k` of `writers`: its sessions' steps through one Recorder, timed after `start` releases all."""
+    from agent_steps import interleaved
+
+    from proxy.governance.policy import TenantPolicy
+    from proxy.record.recorder import Recorder
+    from proxy.record.spool import Spool
+    from proxy.store import db
+
+    # As the writer child connects (custom plans); a baseline tree without that option: its default.
+    try:
+        engine = db.make_engine(url, pool_size=1, max_overflow=0, custom_plans=True)
+    except TypeError:
+        engine = db.make_engine(url, pool_size=1, max_overflow=0)
+    backends = backend_pids(engine)
+    steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)
+    shard = {ext: i % writers for i, ext in enumerate(dict.fromkeys(st.session.external_id for st in steps))}
+    steps = [st for st in steps if shard[st.session.external_id] == k]
+    # The whole load is built up front (tens of millions of token ids); out of the collector's
+    # sight, as the writer child freezes its start-up heap, or full collections walking it would
+    # be most of what is measured. In production only the batch in flight is in memory.
+    gc.collect()
+    gc.freeze()
+    with tempfile.TemporaryDirectory() as spool_dir:
+        rec = Recorder(secret=b"bench-secret", factory=db.session_factory(engine), spool=Spool(Path(spool_dir)),
+                       redactor=PassThrough(), policy_for=lambda s, tenant: TenantPolicy(), batch_size=batch)
+        rec.persist_now(steps[:batch])  # connect, warm the caches
+        steps = steps[batch:]
+        if start is not None:
+            start.wait()
+        pg0 = sum(proc_cpu(p) for p in backends)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        prep = 0.0
+        for i in range(0, len(steps), batch):
+            # persist_now's two halves, timed apart: prepare (content addressing, records, token
+            # prefixes) and the write (one transaction).
+            c0 = time.process_time()
+            records = rec.prepare(steps[i : i + batch])
+            prep += time.process_time() - c0
+            rec._persist(records)
+        t1, cpu = time.perf_counter(), time.process_time() - cpu0
+        pg = sum(proc_cpu(p) for p in backends) - pg0
+        rec.spool.close()
+    engine.dispose()
+    out = {"n": len(steps), "t0": t0, "t1": t1, "cpu": cpu, "prep": prep, "pg": pg, "spooled": rec.stats["spooled"]}
+    if results is not None:
+        results.put(out)
+    return out
 
 
 def redaction_cpu(sessions: int, turns: int, seed: int) -> dict:
@@ -171,6 +208,8 @@ def baseline_tree(ref: str, into: Path) -> Path:
 def run_in(tree: Path, args: argparse.Namespace, seed: int) -> dict:
     cmd = [sys.executable, str(tree / "bench" / "write_path.py"), "--single", "--database-url", args.database_url,
            "--sessions", str(args.sessions), "--turns", str(args.turns), "--batch", str(args.batch), "--seed", str(seed)]
+    if args.writers != 1:
+        cmd += ["--writers", str(args.writers)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -184,6 +223,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--writers", type=int, default=1,
+                    help="writer processes, each with its share of the sessions (one per proxy process)")
     ap.add_argument("--baseline", help="a git ref to measure side by side (e.g. main)")
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--redaction", action="store_true",
@@ -195,7 +236,7 @@ def main() -> int:
         print(json.dumps(redaction_cpu(args.sessions, args.turns, args.seed)))
         return 0
     if args.single:
-        print(json.dumps(one_round(args.database_url, args.sessions, args.turns, args.batch, args.seed)))
+        print(json.dumps(one_round(args.database_url, args.sessions, args.turns, args.batch, args.seed, args.writers)))
         return 0
     trees = {"this checkout": HERE.parent}
     tmp = tempfile.TemporaryDirectory()
@@ -208,7 +249,7 @@ def main() -> int:
             results[label].append(res)
             print(f"round {r + 1} {label}: {json.dumps(res)}", flush=True)
     print(f"\n{args.sessions} sessions x {args.turns} turns, batches of {args.batch}, {os.cpu_count()} CPUs")
-    print(f"{'':28} {'steps/s':>9} {'writer ms/step':>15} {'(prepare+write)':>16} {'pg ms/step':>11} {'cpu-bound steps/s':>18} {'load':>6}")
+    print(f"{'':28} {'steps/s':>9} {'writer ms/step':>15} {'(prepare+write)':>16} {'pg ms/step':>11} {'steps per CPU-s':>18} {'load':>6}")
     for label, rows in results.items():
         for res in rows:
             print(f"{label:28} {res['steps_per_s']:>9} {res['writer_cpu_ms_per_step']:>15} "

@@ -26,7 +26,7 @@ from proxy.governance.tokens import TokenDecision, TokenGuard
 from proxy.lru import LRU, content_key, id_key
 from proxy.record.capture import CapturedStep, SessionRef
 from proxy.store import tables as t
-from proxy.store.content import canonical, content_hash
+from proxy.store.content import content_hash, keyed
 from proxy.store.texts import ENCODED_KINDS, encode
 from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle, step_versions
 from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
@@ -192,20 +192,29 @@ class Preparer:
         planned: list[tuple[CapturedStep, dict[str, Any]]] = []
         todo: dict[tuple[str, str], tuple[str, Any]] = {}
         side_todo: dict[tuple[str, str], Any] = {}
-        # A system prompt or tool list steps share as one object (capture.shared) is hashed once; the
-        # steps hold these objects until the batch is done, so an id is not reused meanwhile.
-        hashed: dict[int, str] = {}
+        # Each object is serialised and hashed once a batch: a system prompt or tool list the steps
+        # share (capture.shared), and a string, such as a tool result that is also its tool message's
+        # content (the long texts of step 3). A dict elsewhere is hashed as it comes. The memo holds
+        # each object, so an id is not reused while its entry stands.
+        memo: dict[int, tuple[Any, str, int]] = {}
+        sizes: dict[str, int] = {}
+
+        def key_of(value: Any, shared: bool = False) -> tuple[str, int]:
+            hit = memo.get(id(value))
+            if hit is not None and hit[0] is value:
+                return hit[1], hit[2]
+            h, n = keyed(self.secret, value)
+            if shared or isinstance(value, str):
+                memo[id(value)] = (value, h, n)
+            return h, n
+
         for st in steps:
             tenant = st.session.tenant
             items: dict[str, Any] = {}
 
             def add(kind: str, value: Any, tenant: str = tenant, items: dict = items) -> str:
-                shareable = kind == "system" or kind == "tools"
-                h = hashed.get(id(value)) if shareable else None
-                if h is None:
-                    h = content_hash(self.secret, value)
-                    if shareable:
-                        hashed[id(value)] = h
+                h, size = key_of(value, kind == "system" or kind == "tools")
+                sizes[h] = size
                 items.setdefault(h, (kind, value))
                 if content_key(tenant, h) not in self._known:
                     todo.setdefault((tenant, h), (kind, value))
@@ -260,14 +269,16 @@ class Preparer:
             contents: list[ContentRow] = []
             counts_of: dict[str, dict[str, int]] = {}
             texts: dict[str, tuple[str, Any, int]] = {}
-            for h, (kind, value) in refs["items"].items():
+            for h, (kind, _value) in refs["items"].items():
                 if (tenant, h) in redacted:
                     body, counts = redacted[(tenant, h)][:2]
                     stored = body
                     if kind in ENCODED_KINDS:  # long strings by reference (proxy.store.texts)
-                        stored, found = encode(body, self._text_key, kind)
+                        # keyed on the redacted text: a clean one is the key of the tool result, system
+                        # prompt or echoed message that is the same value, so those rows are shared
+                        stored, found = encode(body, key_of, kind)
                         texts.update(found)
-                    contents.append(ContentRow(hash=h, kind=kind, body=stored, size=len(canonical(value)),
+                    contents.append(ContentRow(hash=h, kind=kind, body=stored, size=sizes[h],
                                                redaction=dict(counts), encoded=kind in ENCODED_KINDS))
                     self._known.put(content_key(tenant, h), tuple(counts.items()))  # () when clean: shared
                     if kind == "output":
@@ -341,11 +352,6 @@ class Preparer:
             tokens=tokens, prefix_len=prefix_len, redaction=report, eligibility=eligibility, reason=reason,
             retention=retention_until(st.started_at, policy), params=params, error=error,
         )
-
-    def _text_key(self, value: Any) -> str:
-        """A referred row's key: the keyed hash of the (redacted) value, which is the key of a tool
-        result, system prompt or echoed message that is the same clean value, so those rows are shared."""
-        return content_hash(self.secret, value)
 
     def cache_sizes(self) -> dict[str, int]:
         """Entries in each bounded cache (tokens for the token cache): what /healthz and a soak show."""

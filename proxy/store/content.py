@@ -23,6 +23,12 @@ def content_hash(secret: bytes, value: Any) -> str:
     return hmac.new(secret, canonical(value), hashlib.sha256).hexdigest()
 
 
+def keyed(secret: bytes, value: Any) -> tuple[str, int]:
+    """(content hash, bytes of the canonical JSON): a row's key and its `size` from one serialisation."""
+    raw = canonical(value)
+    return hmac.new(secret, raw, hashlib.sha256).hexdigest(), len(raw)
+
+
 def chain_hash(prev: str, item_hash: str) -> str:
     """Rolling hash of a sequence of content hashes (used to find a conversation's prefix)."""
     return hashlib.sha256(f"{prev}:{item_hash}".encode()).hexdigest()

@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from proxy.store.content import canonical
-
 MARK = "\ue000"
 REF = MARK + "@"
 MIN_CHARS = 256  # below this a reference (68 bytes) and its row cost about what they save
@@ -29,12 +27,13 @@ def escape(value: Any) -> Any:
     return encode(value, None)[0]
 
 
-def encode(value: Any, key: Callable[[Any], str] | None, kind: str = "message"
+def encode(value: Any, key: Callable[[Any], tuple[str, int]] | None, kind: str = "message"
            ) -> tuple[Any, dict[str, tuple[str, Any, int]]]:
-    """(stored form, {hash: (kind, stored body, size)} of the rows it refers to). `key` hashes a value
-    (None: escape only). A top-level string is never replaced: a body that is one string is itself a
-    text row. An output's native message (`output`, the assistant turn the agent echoes next call) is
-    a `message` row of its own, so the echo is the same row."""
+    """(stored form, {hash: (kind, stored body, size)} of the rows it refers to). `key` gives a value's
+    hash and the bytes of its canonical JSON (None: escape only). A top-level string is never
+    replaced: a body that is one string is itself a text row. An output's native message (`output`,
+    the assistant turn the agent echoes next call) is a `message` row of its own, so the echo is the
+    same row."""
     rows: dict[str, tuple[str, Any, int]] = {}
 
     def walk(v: Any, top: bool) -> Any:
@@ -42,8 +41,8 @@ def encode(value: Any, key: Callable[[Any], str] | None, kind: str = "message"
             if v.startswith(MARK):
                 return MARK + v
             if key is not None and not top and len(v) >= MIN_CHARS:
-                h = key(v)
-                rows[h] = ("text", v, len(canonical(v)))
+                h, size = key(v)
+                rows[h] = ("text", v, size)
                 return REF + h
             return v
         if isinstance(v, dict):
@@ -54,8 +53,8 @@ def encode(value: Any, key: Callable[[Any], str] | None, kind: str = "message"
 
     if key is not None and kind == "output" and isinstance(value, dict) and isinstance(value.get("output"), dict):
         native = value["output"]
-        h = key(native)
-        rows[h] = ("message", walk(native, False), len(canonical(native)))
+        h, size = key(native)
+        rows[h] = ("message", walk(native, False), size)
         return {k: (REF + h if k == "output" else walk(x, False)) for k, x in value.items()}, rows
     return walk(value, True), rows
 

@@ -309,10 +309,8 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     for r in records:
         for c in r.contents:
             if (r.session.tenant_id, c.hash) not in rows:
-                body = pg_safe(c.body) if _has_nul(c.body) else c.body
-                if c.kind in ENCODED_KINDS and not c.encoded:
-                    body = escape(body)
-                rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, json_text(body), c.size,
+                body = escape(c.body) if c.kind in ENCODED_KINDS and not c.encoded else c.body
+                rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, _json(body), c.size,
                                                        json_text(c.redaction))
     ordered = [rows[k] for k in sorted(rows)]
     start = 0

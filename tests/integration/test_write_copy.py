@@ -243,6 +243,31 @@ def test_the_writer_plans_each_batch_for_its_sessions(db_url, tenant):
         other.dispose()
 
 
+def test_the_writer_reads_by_key_in_a_table_without_statistics(db_url):
+    """A day's partition has no statistics until autovacuum analyzes it, and without them a batch's
+    `session_id = ANY(256 sessions)` is estimated to match every row: the writer's connection reads by
+    its index anyway (a temporary table, which autovacuum never analyzes, stands for the new day)."""
+    from proxy.store.write import LAST_SEQ
+
+    lookup = LAST_SEQ.replace("FROM steps", "FROM fresh_day").replace("CAST(:sids AS text[])", "%(sids)s")
+    sids = [f"s{i}" for i in range(256)]
+    plans = {}
+    for name, custom in (("writer", True), ("other", False)):
+        engine = db.make_engine(db_url, pool_size=1, max_overflow=0, custom_plans=custom)
+        try:
+            with engine.connect() as c:
+                c.exec_driver_sql("CREATE TEMP TABLE fresh_day (session_id text, seq int, pad text, "
+                                  "UNIQUE (session_id, seq))")
+                c.exec_driver_sql("INSERT INTO fresh_day SELECT 's' || mod(g, 5000), g, repeat('x', 200) "
+                                  "FROM generate_series(1, 50000) g")
+                plans[name] = "\n".join(r[0] for r in c.exec_driver_sql("EXPLAIN " + lookup, {"sids": sids}))
+                assert c.exec_driver_sql(lookup, {"sids": sids}).all()[:1]  # the statement itself runs
+        finally:
+            engine.dispose()
+    assert "Seq Scan" in plans["other"], plans["other"]  # the estimate that made the writer scan
+    assert "Seq Scan" not in plans["writer"] and "fresh_day_session_id_seq_key" in plans["writer"], plans["writer"]
+
+
 def test_two_writers_on_the_same_sessions_number_every_step_once(db_url, tenant):
     """Two writer connections write batches of the same sessions at once (proxies behind a load
     balancer, one session's calls on both): the sessions upsert holds each session's row until

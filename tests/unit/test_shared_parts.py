@@ -92,8 +92,8 @@ def test_the_writer_records_shared_parts_as_it_records_separate_ones(monkeypatch
                      tools=pick(_parsed(hermes["tools"])), prompt=f"turn {i}") for i in range(4)]
 
     hashes = []
-    real_hash = prep.content_hash
-    monkeypatch.setattr(prep, "content_hash", lambda secret, value: hashes.append(1) or real_hash(secret, value))
+    real_keyed = prep.keyed
+    monkeypatch.setattr(prep, "keyed", lambda secret, value: hashes.append(1) or real_keyed(secret, value))
     alone = preparer(redactor).prepare(steps(False))
     n_alone, hashes[:] = len(hashes), []
     together = preparer(redactor).prepare(steps(True))
@@ -105,3 +105,37 @@ def test_the_writer_records_shared_parts_as_it_records_separate_ones(monkeypatch
 
     assert [view(r) for r in together] == [view(r) for r in alone]
     assert together[0].redaction.get("EMAIL_ADDRESS") == 1 and together[0].contents
+
+
+def test_a_tool_result_is_hashed_once_though_its_tool_message_holds_it_too(monkeypatch) -> None:
+    """A tool result's text is its own content and, as a long text, its tool message's reference: one
+    serialisation and one keyed hash of that string for the batch, and the same rows either way."""
+    from dataclasses import replace
+
+    from proxy.governance.redaction import RedactionConfig, Redactor
+    from proxy.record import prepare as prep
+    from proxy.record.capture import ToolResultIn
+    from proxy.store.texts import MIN_CHARS, REF
+    from tests.unit.test_prepare_redaction import preparer, step
+
+    result = "line of build output, nothing secret in it\n" * (MIN_CHARS // 20)
+    calls: list[object] = []
+    real_keyed = prep.keyed
+    monkeypatch.setattr(prep, "keyed", lambda secret, value: calls.append(value) or real_keyed(secret, value))
+
+    def batch(same_object: bool):
+        text = result if same_object else "".join(list(result))  # equal, another object
+        msg = {"role": "tool", "tool_call_id": "c1", "content": text}
+        st = replace(step(messages=[msg], prompt="x"), tool_results=[ToolResultIn(call_id="c1", content=result)])
+        calls.clear()
+        [rec] = preparer(Redactor(RedactionConfig(salt=b"t"))).prepare([st])
+        return rec, sum(1 for v in calls if v == result)
+
+    once, n_once = batch(True)
+    twice, n_twice = batch(False)
+    assert (n_once, n_twice) == (1, 2)
+    rows = sorted((c.hash, c.kind, orjson.dumps(c.body), c.size) for c in once.contents)
+    assert rows == sorted((c.hash, c.kind, orjson.dumps(c.body), c.size) for c in twice.contents)
+    [message] = [c for c in once.contents if c.kind == "message"]
+    [tool_result] = [c for c in once.contents if c.kind == "tool_result"]
+    assert message.body["content"] == REF + tool_result.hash and tool_result.size == len(orjson.dumps(result))

@@ -5,11 +5,16 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from proxy.store.content import canonical
 from proxy.store.texts import MARK, MIN_CHARS, REF, decode, encode, escape, refs
 
 
-def key(value: Any) -> str:
+def digest(value: Any) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def key(value: Any) -> tuple[str, int]:
+    return digest(value), len(canonical(value))
 
 
 def round_trip(value: Any, kind: str = "message") -> tuple[Any, dict]:
@@ -27,10 +32,10 @@ def test_long_strings_become_references_short_ones_stay() -> None:
     long = "x" * MIN_CHARS
     value = {"role": "tool", "content": long, "name": "short", "parts": [long, {"deep": long}]}
     stored, rows = round_trip(value)
-    assert stored == {"role": "tool", "content": REF + key(long), "name": "short",
-                      "parts": [REF + key(long), {"deep": REF + key(long)}]}
-    assert rows == {key(long): ("text", long, MIN_CHARS + 2)}
-    assert refs(stored) == {key(long)}
+    assert stored == {"role": "tool", "content": REF + digest(long), "name": "short",
+                      "parts": [REF + digest(long), {"deep": REF + digest(long)}]}
+    assert rows == {digest(long): ("text", long, MIN_CHARS + 2)}
+    assert refs(stored) == {digest(long)}
 
 
 def test_a_body_that_is_one_string_is_kept_whole() -> None:
@@ -52,9 +57,9 @@ def test_an_outputs_native_message_is_a_message_row_of_its_own() -> None:
     native = {"role": "assistant", "content": thought, "tool_calls": []}
     output = {"text": thought, "reasoning": None, "tool_calls": [], "output": native}
     stored, rows = round_trip(output, "output")
-    assert stored == {"text": REF + key(thought), "reasoning": None, "tool_calls": [], "output": REF + key(native)}
-    assert rows[key(native)][:2] == ("message", {"role": "assistant", "content": REF + key(thought), "tool_calls": []})
-    assert rows[key(thought)][0] == "text"
+    assert stored == {"text": REF + digest(thought), "reasoning": None, "tool_calls": [], "output": REF + digest(native)}
+    assert rows[digest(native)][:2] == ("message", {"role": "assistant", "content": REF + digest(thought), "tool_calls": []})
+    assert rows[digest(thought)][0] == "text"
 
 
 def test_a_reference_whose_row_is_gone_reads_as_none() -> None:
