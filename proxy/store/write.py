@@ -36,7 +36,7 @@ from proxy.store.copy import (
     text_array,
     timestamp_array,
 )
-from proxy.store.texts import ENCODED_KINDS, escape
+from proxy.store.texts import ENCODED_KINDS, escape, refs
 
 log = logging.getLogger("atdp.store")
 
@@ -291,6 +291,31 @@ def _step_row(r: StepRecord, sid: str, seq: int) -> tuple:
     )
 
 
+def needed_contents(kept: list[StepRecord], records: list[StepRecord]) -> dict[tuple[str, str], ContentRow]:
+    """(tenant, hash) -> row: the content rows the batch carries that its `kept` steps need. Their own,
+    and a row another step of the batch carried that a kept step or kept row refers to: the preparer
+    gives a long text the batch shares (proxy.store.texts) to the first step that has it."""
+    carried: dict[tuple[str, str], ContentRow] = {}
+    for r in records:
+        for c in r.contents:
+            carried.setdefault((r.session.tenant_id, c.hash), c)
+    if len(kept) == len(records):
+        return carried
+    need = [(r.session.tenant_id, h) for r in kept for h in (
+        r.system_hash, r.tools_hash, r.output_hash, *r.message_hashes, *(tr.result_hash for tr in r.tool_results),
+        *(c.hash for c in r.contents)) if h]
+    out: dict[tuple[str, str], ContentRow] = {}
+    while need:
+        key = need.pop()
+        row = carried.get(key)
+        if row is None or key in out:
+            continue
+        out[key] = row
+        if row.kind in ENCODED_KINDS and row.encoded:  # an output refers to its native message, it to texts
+            need.extend((key[0], h) for h in refs(row.body))
+    return out
+
+
 def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     """Insert a batch of step records (idempotent by step id). Returns how many were new.
 
@@ -304,15 +329,15 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
     tenants = sorted({r.session.tenant_id for r in records})
     s.execute(text(TENANT_INSERT), {"ids": tenants})
 
+    # Steps of forgotten sessions are dropped first, and their contents with them: a late one
+    # (spooled, re-sent) must not bring a forgotten text back as a row nothing refers to.
+    kept = not_forgotten(s, records)
+    if not kept:
+        return 0
+
     # Contents (deduplicated across the batch; rows already stored are left alone).
-    rows: dict[tuple[str, str], tuple] = {}
-    for r in records:
-        for c in r.contents:
-            if (r.session.tenant_id, c.hash) not in rows:
-                body = escape(c.body) if c.kind in ENCODED_KINDS and not c.encoded else c.body
-                rows[(r.session.tenant_id, c.hash)] = (r.session.tenant_id, c.hash, c.kind, _json(body), c.size,
-                                                       json_text(c.redaction))
-    ordered = [rows[k] for k in sorted(rows)]
+    ordered = [(tenant, h, c.kind, _json(escape(c.body) if c.kind in ENCODED_KINDS and not c.encoded else c.body),
+                c.size, json_text(c.redaction)) for (tenant, h), c in sorted(needed_contents(kept, records).items())]
     start = 0
     while start < len(ordered):  # a statement per CONTENT_CHUNK_CHARS of bodies (256 requests of 32 MB fit a batch)
         end, chars = start + 1, len(ordered[start][3])
@@ -324,10 +349,6 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
             "tenant": text_array(cols[0]), "hash": text_array(cols[1]), "kind": text_array(cols[2]),
             "body": text_array(cols[3]), "size": int_array(cols[4]), "redaction": text_array(cols[5])})
         start = end
-
-    kept = not_forgotten(s, records)
-    if not kept:
-        return 0
 
     # Sessions: one upsert for the batch; the row locks serialise seq assignment across writers.
     first: dict[tuple[str, str], StepRecord] = {}

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import openai
-from sqlalchemy import select
+from sqlalchemy import String, select
 
 from proxy.store import tables as t
 
@@ -30,6 +30,12 @@ def _steps(factory, tenant: str, external_id: str) -> int:
     with factory() as s:
         return len(s.scalars(select(t.Step.id).join(t.Session, t.Session.id == t.Step.session_id)
                              .where(t.Session.tenant_id == tenant, t.Session.external_id == external_id)).all())
+
+
+def _contents_saying(factory, tenant: str, words: str) -> int:
+    with factory() as s:
+        return len(s.scalars(select(t.Content.hash).where(t.Content.tenant_id == tenant,
+                                                          t.Content.body.cast(String).contains(words))).all())
 
 
 def _wait_drained(proxy, timeout: float = 30.0) -> None:
@@ -61,13 +67,16 @@ def test_spooled_steps_of_a_forgotten_session_are_not_reinserted(start_proxy, fa
     up = start_proxy([fake_upstream.url], home=home, tenant=down.tenant)
     _wait_drained(up)
     assert (_steps(factory, up.tenant, "gone"), _steps(factory, up.tenant, "kept")) == (3, 2)
+    assert _contents_saying(factory, up.tenant, "gone 1") == 3  # the user's message, the answer, its output
     r = httpx.delete(f"{up.url}/atdp/v1/sessions/gone", timeout=30)
     assert r.status_code == 200 and r.json()["steps"] == 3, r.text
+    assert _contents_saying(factory, up.tenant, "gone 1") == 0
 
     for p in aside.iterdir():
         shutil.copy(p, home / "spool" / p.name)
     _wait_drained(up)
     assert _steps(factory, up.tenant, "gone") == 0  # the tombstone refused them
+    assert _contents_saying(factory, up.tenant, "gone 1") == 0  # and what they said
     assert _steps(factory, up.tenant, "kept") == 2
 
     # The client keeps using the id after the forget: that is new data, recorded as a new session.

@@ -381,3 +381,32 @@ def test_array_literals_read_back_as_the_values(factory):
     assert got[0] == texts
     assert got[1] == times  # the same instants, whatever offset they were written with
     assert got[2] == [True, False, False, True, False]
+
+
+def test_a_forgotten_sessions_late_step_brings_back_none_of_its_contents(factory, tenant):
+    """A step of a forgotten session that arrives late (spooled, re-sent) is dropped with its content
+    rows; a long text it carried for the batch stays when a kept step of that batch refers to it."""
+    from proxy.governance.forget import tombstone
+    from proxy.store.texts import REF
+
+    when = datetime.now(UTC) - timedelta(minutes=1)
+    shared, own = "x" * 300, {"role": "user", "content": "only the forgotten session said this"}
+    tool = {"role": "tool", "tool_call_id": "c1", "content": REF + "h-shared"}
+    gone = _step(tenant, "gone", when, message_hashes=["h-own", "h-tool"], contents=[
+        ContentRow(hash="h-own", kind="message", body=own, size=40, encoded=True),
+        ContentRow(hash="h-tool", kind="message", body=tool, size=80, encoded=True),
+        ContentRow(hash="h-shared", kind="text", body=shared, size=302, encoded=True)])
+    kept = _step(tenant, "kept", when, message_hashes=["h-tool"], contents=[
+        ContentRow(hash="h-tool", kind="message", body=tool, size=80, encoded=True)])  # the text went with `gone`
+    with db.transaction(factory) as s:
+        tombstone(s, tenant, "gone")
+    with db.transaction(factory) as s:
+        assert write_steps(s, [gone, kept], new_id) == 1
+    with factory() as s:
+        stored = set(s.scalars(select(t.Content.hash).where(t.Content.tenant_id == tenant)))
+    assert stored == {"h-tool", "h-shared"}
+    with db.transaction(factory) as s:  # the forgotten step alone: nothing of it is written
+        assert write_steps(s, [_step(tenant, "gone", when, message_hashes=["h-own2"], contents=[
+            ContentRow(hash="h-own2", kind="message", body=own, size=40, encoded=True)])], new_id) == 0
+    with factory() as s:
+        assert set(s.scalars(select(t.Content.hash).where(t.Content.tenant_id == tenant))) == stored
