@@ -146,8 +146,9 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             if owns_redactor:
                 own_redactor.close()
             state.tracer.shutdown()
-            if state.engine is not None:
-                state.engine.dispose()
+            for engine in (state.writer_engine, state.engine):
+                if engine is not None:
+                    engine.dispose()
 
     # Plain Starlette: FastAPI's per-request layers (its exit stack, body limit, native telemetry's
     # checks of the environment) cost every call CPU for features the proxy does not use; the
@@ -310,7 +311,11 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             state.engine = engine
             state.factory = db.session_factory(engine)
             state.canary.factory = state.factory
-            state.recorder.connect(url, state.factory)
+            if isinstance(state.recorder, WriterProcess):
+                state.recorder.connect(url, state.factory)  # the child makes its own writer engine
+            else:  # the in-process writer plans as the child does (proxy.store.db: custom plans, no seq scans)
+                state.writer_engine = db.make_engine(url, custom_plans=True, pool_size=2, max_overflow=2)
+                state.recorder.connect(url, db.session_factory(state.writer_engine))
             state.load_keys()
             _warm_index(state)
             threading.Thread(target=swaps.start_up, name="atdp-versions", daemon=True).start()

@@ -44,6 +44,7 @@ class AppState:
     routes: RouteTable = field(default_factory=RouteTable)  # model -> provider (none: every call to vLLM)
     factory: sessionmaker[Session] | None = None  # None until the database is reachable
     engine: Engine | None = None
+    writer_engine: Engine | None = None  # thread mode: the in-process writer's own connection
     client: httpx.AsyncClient | None = None  # control calls (swaps, model listings); set at start-up
     http: aiohttp.ClientSession | None = None  # model traffic (the hot path); set at start-up
     keys: dict[str, Principal] = field(default_factory=dict)  # sha256(key) -> principal

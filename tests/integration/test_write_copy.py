@@ -410,3 +410,16 @@ def test_a_forgotten_sessions_late_step_brings_back_none_of_its_contents(factory
             ContentRow(hash="h-own2", kind="message", body=own, size=40, encoded=True)])], new_id) == 0
     with factory() as s:
         assert set(s.scalars(select(t.Content.hash).where(t.Content.tenant_id == tenant))) == stored
+
+
+def test_the_in_process_writer_plans_as_the_child_does(start_proxy, fake_upstream):
+    """`ATDP_WRITER=thread` writes through a connection of its own, set up as the writer child's
+    (custom plans, no sequential scans); the proxy's other reads keep PostgreSQL's defaults."""
+    proxy = start_proxy([fake_upstream.url])
+    assert proxy.state.settings.writer_mode == "thread"
+    with proxy.state.recorder.factory() as s:
+        assert s.execute(text("SHOW enable_seqscan")).scalar_one() == "off"
+        assert s.execute(text("SHOW plan_cache_mode")).scalar_one() == "force_custom_plan"
+    with proxy.state.factory() as s:
+        assert s.execute(text("SHOW enable_seqscan")).scalar_one() == "on"
+        assert s.execute(text("SHOW plan_cache_mode")).scalar_one() == "auto"
