@@ -315,6 +315,8 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
                 state.recorder.connect(url, state.factory)  # the child makes its own writer engine
             else:  # the in-process writer plans as the child does (proxy.store.db: custom plans, no seq scans)
                 state.writer_engine = db.make_engine(url, custom_plans=True, pool_size=2, max_overflow=2)
+                with state.writer_engine.connect():  # connected now, not on the first step's write
+                    pass
                 state.recorder.connect(url, db.session_factory(state.writer_engine))
             state.load_keys()
             _warm_index(state)

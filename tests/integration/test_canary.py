@@ -57,7 +57,8 @@ def test_assignment_survives_a_restart_and_the_canary_resumes(start_proxy, own_d
                 "tenant": "t-restart", "home": tmp_path / "home"}
         proxy = start_proxy(upstreams, **opts)
         assert proxy.versions.ready.wait(30)
-        _call(proxy, "old")  # began before the canary
+        _call(proxy, "old")  # began (and was stored) before the canary
+        proxy.flush()
         r = _post(proxy, {"checkpoint": "/ckpt/cand", "name": "cand", "wait": True})
         assert r.json()["status"] == "canary", r.text
         vid = r.json()["id"]

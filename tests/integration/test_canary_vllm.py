@@ -114,8 +114,9 @@ def test_good_candidate_canaries_on_its_share_sticky_and_is_promoted(start_proxy
     assert proxy.versions.ready.wait(60)
     client = openai.OpenAI(base_url=proxy.v1, api_key="open-mode", max_retries=0)
     try:
-        # A session that began before the canary keeps the serving version to its end.
+        # A session that began (and was stored) before the canary keeps the serving version to its end.
         _session(client, "pre", turns=1)
+        proxy.flush()
         r = httpx.post(proxy.url + "/atdp/v1/versions", json={"checkpoint": str(cand), "name": "good", "wait": True},
                        headers=ADMIN, timeout=300)
         assert r.status_code == 200 and r.json()["status"] == "canary", r.text
