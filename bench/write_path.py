@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import queue
 import random
 import shutil
 import subprocess
@@ -98,7 +99,13 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int, 
                      for k in range(writers)]
             for pr in procs:
                 pr.start()
-            parts = [results.get(timeout=600) for _ in procs]
+            parts = []
+            while len(parts) < writers:  # a writer that died says so now, not after a 10-minute wait
+                try:
+                    parts.append(results.get(timeout=1.0))
+                except queue.Empty:
+                    if any(pr.exitcode not in (None, 0) for pr in procs):
+                        raise RuntimeError(f"a writer process failed: exit codes {[pr.exitcode for pr in procs]}") from None
             for pr in procs:
                 pr.join()
         engine = create_engine(url)

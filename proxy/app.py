@@ -314,6 +314,8 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             if isinstance(state.recorder, WriterProcess):
                 state.recorder.connect(url, state.factory)  # the child makes its own writer engine
             else:  # the in-process writer plans as the child does (proxy.store.db: custom plans, no seq scans)
+                if state.writer_engine is not None:  # an earlier attempt that failed after making it
+                    state.writer_engine.dispose()
                 state.writer_engine = db.make_engine(url, custom_plans=True, pool_size=2, max_overflow=2)
                 with state.writer_engine.connect():  # connected now, not on the first step's write
                     pass

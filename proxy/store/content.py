@@ -20,7 +20,7 @@ def canonical(value: Any) -> bytes:
 
 
 def content_hash(secret: bytes, value: Any) -> str:
-    return hmac.new(secret, canonical(value), hashlib.sha256).hexdigest()
+    return keyed(secret, value)[0]
 
 
 def keyed(secret: bytes, value: Any) -> tuple[str, int]:
