@@ -153,7 +153,8 @@ def _writer(url: str, sessions: int, turns: int, batch: int, seed: int, k: int, 
     with tempfile.TemporaryDirectory() as spool_dir:
         rec = Recorder(secret=b"bench-secret", factory=db.session_factory(engine), spool=Spool(Path(spool_dir)),
                        redactor=PassThrough(), policy_for=lambda s, tenant: TenantPolicy(), batch_size=batch)
-        rec.persist_now(steps[:batch])  # connect, warm the caches
+        rec.persist_now(steps[:batch])  # connect (and read the forget counts), warm the caches
+        counted = hasattr(rec.preparer, "seen")
         steps = steps[batch:]
         if start is not None:
             start.wait()
@@ -163,10 +164,16 @@ def _writer(url: str, sessions: int, turns: int, batch: int, seed: int, k: int, 
         for i in range(0, len(steps), batch):
             # persist_now's two halves, timed apart: prepare (content addressing, records, token
             # prefixes) and the write (one transaction).
+            chunk = steps[i : i + batch]
             c0 = time.process_time()
-            records = rec.prepare(steps[i : i + batch])
+            # The forget counts the cache reflects, as persist_now passes them (a tree without them: none).
+            seen = rec.preparer.seen(sorted({st.session.tenant for st in chunk})) if counted else None
+            records = rec.prepare(chunk)
             prep += time.process_time() - c0
-            rec._persist(records)
+            if counted:
+                rec._persist(records, seen, {st.step_id: st for st in chunk})
+            else:
+                rec._persist(records)
         t1, cpu = time.perf_counter(), time.process_time() - cpu0
         pg = sum(proc_cpu(p) for p in backends) - pg0
         rec.spool.close()

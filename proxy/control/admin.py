@@ -42,21 +42,23 @@ def _after_forget(state: AppState, report: forget.Forgotten, *, whole_tenant: bo
     session, and its pending spooled records go (the tombstone refuses any that still arrive).
     Every other proxy on the database does the same when the forget's notes reach it (`ForgetFollower`)."""
     forget_here(state, report.tenant, report.step_ids, None if whole_tenant else report.content_hashes,
-                sorted({*report.external_ids, *sessions}), whole_tenant=whole_tenant)
+                sorted({*report.external_ids, *sessions}), whole_tenant=whole_tenant,
+                forgets=[] if report.forgets is None else [report.forgets])
 
 
 def forget_here(state: AppState, tenant: str, step_ids: list[str], content_hashes: list[str] | None,
-                sessions: list[str], *, whole_tenant: bool) -> None:
+                sessions: list[str], *, whole_tenant: bool, forgets: list[int] = ()) -> None:
     """This proxy's memory of forgotten steps, contents and sessions goes: continuation keys, token
     memory, the doors' caches, the writer's caches (a content it believed stored would be referred to,
-    not written again) and its spool's pending records. Runs on the event loop (the caches are its own)."""
+    not written again; `forgets`: the forgets' counts, proxy.store.forgets) and its spool's pending
+    records. Runs on the event loop (the caches are its own)."""
     steps = set(step_ids)
     state.index.forget(steps)
     state.tokens.forget(steps)
     for hook in state.forget_hooks:
         hook(tenant, steps, whole_tenant)
     state.recorder.forget(tenant, step_ids=list(step_ids), content_hashes=content_hashes, sessions=sessions,
-                          whole_tenant=whole_tenant)
+                          whole_tenant=whole_tenant, forgets=list(forgets))
 
 
 class ForgetFollower:
@@ -78,9 +80,10 @@ class ForgetFollower:
 
     async def on_connect(self) -> None:
         """The listener (re)connected: forgets announced while it was away were missed, so the writer
-        stops believing any content stored (each is scanned and written once more: a cost, not a loss)."""
+        stops believing any content stored (each is scanned and written once more: a cost, not a loss)
+        and reads the tenants' forget counts again (proxy.store.forgets)."""
         if self._connected:
-            self.state.recorder.forget("", content_hashes=None)
+            self.state.recorder.catch_up()
             log.info("notes listener reconnected: the writer's stored-contents cache was cleared")
         self._connected = True
 
@@ -97,10 +100,10 @@ class ForgetFollower:
     async def _apply_soon(self) -> None:
         await asyncio.sleep(self.coalesce_s)  # the rest of the forget's notes arrive meanwhile
         notes, self._notes = self._notes, []
-        for tenant, (whole, sessions, steps, contents) in _merged(notes).items():
+        for tenant, (whole, sessions, steps, contents, forgets) in _merged(notes).items():
             try:
                 forget_here(self.state, tenant, sorted(steps), None if whole else sorted(contents), sorted(sessions),
-                            whole_tenant=whole)
+                            whole_tenant=whole, forgets=sorted(forgets))
                 letters = await asyncio.to_thread(_purge_letters, self.state.settings.spool_dir, tenant, whole,
                                                   sessions)
                 log.info("forget from another proxy applied: tenant %s, %d sessions, %d steps, %d contents%s, "
@@ -114,18 +117,20 @@ def _purge_letters(spool_dir: Path, tenant: str, whole: bool, sessions: set[str]
     return deadletters.purge(spool_dir, lambda d: d.tenant == tenant and (whole or d.session in sessions))
 
 
-def _merged(notes: list[dict[str, Any]]) -> dict[str, tuple[bool, set[str], set[str], set[str]]]:
-    """Notes by tenant: (whole tenant?, sessions, steps, contents); a malformed note is skipped."""
-    out: dict[str, tuple[bool, set[str], set[str], set[str]]] = {}
+def _merged(notes: list[dict[str, Any]]) -> dict[str, tuple[bool, set[str], set[str], set[str], set[int]]]:
+    """Notes by tenant: (whole tenant?, sessions, steps, contents, forget counts); a malformed note is
+    skipped."""
+    out: dict[str, tuple[bool, set[str], set[str], set[str], set[int]]] = {}
     for msg in notes:
         tenant, lists = msg.get("tenant"), [msg.get(k) or [] for k in ("sessions", "steps", "contents")]
         if not isinstance(tenant, str) or not all(isinstance(x, list) and all(isinstance(i, str) for i in x)
                                                   for x in lists):
             log.warning("a forget note of an unknown shape was ignored")
             continue
-        whole, sessions, steps, contents = out.get(tenant, (False, set(), set(), set()))
+        whole, sessions, steps, contents, forgets = out.get(tenant, (False, set(), set(), set(), set()))
+        n = msg.get("forgets")
         out[tenant] = (whole or bool(msg.get("whole")), sessions | set(lists[0]), steps | set(lists[1]),
-                       contents | set(lists[2]))
+                       contents | set(lists[2]), forgets | ({n} if type(n) is int else set()))
     return out
 
 

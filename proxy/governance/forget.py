@@ -16,6 +16,9 @@ or by `atdp forget`, reaches every proxy's caches, spool and dead letters (proxy
 Forgetting a session or a tenant leaves a tombstone: the
 writer drops any step of it that started before the forget, whenever it arrives, so a forget is
 final (retention does not: it removes old sessions, whose late steps cannot exist).
+Each forget holds its tenants' write locks from its start to its commit, and one that deleted contents
+adds one to the tenant's forget count (proxy.store.forgets): no write of the tenant overlaps it, and a
+writer whose cache had not heard of it checks what its batch refers to.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 from sqlalchemy import and_, delete, func, or_, select, text, true
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
@@ -33,6 +37,7 @@ from sqlalchemy.orm import Session
 from proxy.store import partitions
 from proxy.store import tables as t
 from proxy.store.db import db_error_reason
+from proxy.store.forgets import bump, lock_tenants
 from proxy.store.notes import NOTIFY, split
 from proxy.store.read import find_session
 from proxy.store.texts import ENCODED_KINDS, all_refs
@@ -55,6 +60,12 @@ class Forgotten:
     content_hashes: list[str] = field(default_factory=list)  # the deleted contents' (caches); not audited
     external_ids: list[str] = field(default_factory=list)  # forgotten sessions' public ids (spool purge)
     partitions: list[str] = field(default_factory=list)  # days whose partitions retention dropped
+    forgets: int | None = None  # the tenant's forget count after this one, when it deleted contents
+
+    def count(self, s: Session, *, whole_tenant: bool = False) -> None:
+        """Count this forget (proxy.store.forgets) when it deleted contents writers may believe stored."""
+        if whole_tenant or self.content_hashes:
+            self.forgets = bump(s, self.tenant)
 
     def counts(self) -> dict[str, Any]:
         return {"sessions": self.sessions, "steps": self.steps, "tokens": self.tokens,
@@ -174,9 +185,11 @@ def forget_session(s: Session, session_id: str, *, tenant: str | None, actor: st
     if row is None:
         return None
     out = Forgotten(tenant=row.tenant_id)
+    lock_tenants(s, [row.tenant_id], shared=False)  # no write of the tenant overlaps the forget
     s.execute(select(t.Session.id).where(t.Session.id == row.id).with_for_update())
     _forget_sessions(s, row.tenant_id, [row.id], out)
     tombstone(s, row.tenant_id, row.external_id)
+    out.count(s)
     out.external_ids.append(row.external_id)
     details = {**out.counts(), "session_id": row.id}
     if reason:
@@ -190,6 +203,7 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
     """Forget all of a tenant's recorded data. Its keys and policy stay (they are configuration);
     every remaining content row of the tenant goes as well."""
     out = Forgotten(tenant=tenant)
+    lock_tenants(s, [tenant], shared=False)
     tombstone(s, tenant, None)
     session_ids = list(s.scalars(select(t.Session.id).where(t.Session.tenant_id == tenant)))
     for i in range(0, len(session_ids), 500):
@@ -198,6 +212,7 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
     # exist, contents can) goes here.
     out.contents += s.execute(delete(t.Content).where(t.Content.tenant_id == tenant)).rowcount
     out.stored_responses += s.execute(delete(t.StoredResponse).where(t.StoredResponse.tenant_id == tenant)).rowcount
+    out.count(s, whole_tenant=True)
     details = out.counts()
     if reason:
         details["reason"] = reason
@@ -330,6 +345,8 @@ def run_retention(s: Session, *, policy_for, now: datetime | None = None, actor:
         for sid in s.scalars(q):
             if sid not in due.get(tenant, ()):
                 due.setdefault(tenant, []).append(sid)
+    # Every tenant the run deletes from, locked before it deletes anything, in one order.
+    lock_tenants(s, [*due, *(tenant for _, tenants in days for tenant in tenants)], shared=False)
     by_tenant: dict[str, Forgotten] = {}
     for tenant, sids in sorted(due.items()):
         out = by_tenant.setdefault(tenant, Forgotten(tenant=tenant))
@@ -352,6 +369,7 @@ def run_retention(s: Session, *, policy_for, now: datetime | None = None, actor:
                 _merge(by_tenant.setdefault(tenant, Forgotten(tenant=tenant)), got)
             log.info("retention dropped the partitions of %s", ", ".join(part.day.isoformat() for part, _ in days))
     for out in by_tenant.values():
+        out.count(s)
         _audit(s, actor, out.tenant, "retention.forget", out.tenant, {**out.counts(), "now": now.isoformat()})
         announce(s, out, origin=origin)
     return list(by_tenant.values())
@@ -361,11 +379,15 @@ def announcement(out: Forgotten, *, whole_tenant: bool = False, sessions: list[s
     """The notes that tell every proxy what `out` deleted (proxy.control.admin.follow_forgets): the
     step ids (continuation keys, token caches), the deleted contents' hashes (a writer that still
     believed them stored would write steps referring to rows that are gone; a whole tenant's are
-    all of them) and the sessions' public ids (spool, dead letters). `origin`: the announcing
+    all of them), the sessions' public ids (spool, dead letters) and, in a last note of its own, the
+    tenant's forget count after it (proxy.store.forgets). `origin`: the announcing
     proxy's bus id, which skips its own notes; '' (the command line) is followed by every proxy."""
-    return split({"op": "forget", "from": origin, "tenant": out.tenant, "whole": whole_tenant},
-                 {"sessions": sorted({*out.external_ids, *sessions}), "steps": out.step_ids,
-                  "contents": [] if whole_tenant else out.content_hashes})
+    base = {"op": "forget", "from": origin, "tenant": out.tenant, "whole": whole_tenant}
+    notes = split(base, {"sessions": sorted({*out.external_ids, *sessions}), "steps": out.step_ids,
+                         "contents": [] if whole_tenant else out.content_hashes})
+    if out.forgets is not None:  # last: a follower has every deleted hash by the time it counts the forget
+        notes.append(orjson.dumps({**base, "forgets": out.forgets, "sessions": [], "steps": [], "contents": []}).decode())
+    return notes
 
 
 def announce(s: Session, out: Forgotten, *, whole_tenant: bool = False, sessions: list[str] = (),

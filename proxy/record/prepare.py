@@ -12,7 +12,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -163,6 +163,10 @@ class Preparer:
         self._side: LRU = LRU(50_000)
         self.tokens = TokenCache(caches.tokens, caches.token_age_s)
         self._policies: dict[str, tuple[float, TenantPolicy]] = {}
+        # Per tenant, the forget count (proxy.store.forgets) up to which `_known` has let go of every
+        # deleted content; None until `catch_up` (a write then checks every tenant's references).
+        self._applied: dict[str, int] | None = None
+        self._ahead: dict[str, set[int]] = {}  # counts applied out of order, waiting for the gap
         self._lock = threading.Lock()
 
     def _policy(self, tenant: str) -> TenantPolicy:
@@ -359,9 +363,44 @@ class Preparer:
                 "outputs": len(self._outputs), "side_values": len(self._side), "token_steps": len(self.tokens),
                 "tokens": self.tokens.tokens}
 
-    def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None) -> None:
+    def seen(self, tenants: list[str]) -> dict[str, int | None]:
+        """The forget counts the cache reflects now, for a batch about to be prepared (taken before it:
+        a forget applied meanwhile only makes the write check what it need not)."""
+        with self._lock:
+            return {tn: None if self._applied is None else self._applied.get(tn, 0) for tn in tenants}
+
+    def catch_up(self, counts: dict[str, int] | None) -> None:
+        """Forgets may have been missed (a listener away, a new writer): nothing is believed stored, and
+        the counts read now are what the empty cache reflects; None, when they cannot be read: unknown.
+        Forgets applied meanwhile (`_ahead`) stay applied: one counted after the read moves a count on."""
+        with self._lock:
+            self._known.clear()
+            self._applied = None if counts is None else dict(counts)
+            for tenant in list(self._ahead):
+                self._advance(tenant)
+
+    def _count(self, tenant: str, n: int) -> None:
+        """Forget number `n` of the tenant is applied: the count moves on over every contiguous one."""
+        self._ahead.setdefault(tenant, set()).add(n)
+        self._advance(tenant)
+
+    def _advance(self, tenant: str) -> None:
+        if self._applied is None:
+            return  # kept in `_ahead` for the counts `catch_up` reads
+        done, ahead = self._applied.get(tenant, 0), self._ahead.get(tenant, set())
+        while done + 1 in ahead:
+            done += 1
+        self._applied[tenant] = done
+        if rest := {n for n in ahead if n > done}:
+            self._ahead[tenant] = rest
+        else:
+            self._ahead.pop(tenant, None)
+
+    def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None,
+               forgets: Iterable[int] = ()) -> None:
         """Drop what memory holds of forgotten steps and contents (all of a tenant's when hashes is None),
-        so a deleted content is written again, not assumed stored. Called by proxy.forget's callers."""
+        so a deleted content is written again, not assumed stored. Called by proxy.forget's callers;
+        `forgets`: the forgets' counts (proxy.store.forgets), given once all they deleted is dropped."""
         with self._lock:
             if content_hashes is None:  # keys are digests: a whole tenant's cannot be told apart
                 self._known.clear()  # (a miss only redacts that content again)
@@ -374,6 +413,8 @@ class Preparer:
             self._policies.pop(tenant, None)
             if isinstance(self.token_policy, TokenGuard):
                 self.token_policy.forget(tenant, content_hashes=content_hashes, step_ids=step_ids)
+            for n in forgets:
+                self._count(tenant, n)
 
     def _side_value(self, tenant: str, h: str | None, raw: Any = None) -> tuple[Any, dict[str, int]]:
         """The redacted form of a side value (params, error, history extras) and what was found.

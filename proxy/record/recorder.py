@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,6 +30,7 @@ from proxy.record.durability import InFlight, WriterHealth
 from proxy.record.prepare import CacheSizes, Preparer, TokenPolicy
 from proxy.record.spool import Spool
 from proxy.store.db import db_error_reason
+from proxy.store.forgets import StaleContents, counts
 from proxy.store.ids import new_id
 from proxy.store.write import (
     SealedResponse,
@@ -74,6 +76,7 @@ class Recorder:
         self._progress_at = time.monotonic()  # the last time a batch was made durable (or the queue was empty)
         self._held_lock = threading.Lock()
         self._give_up_at = 0.0  # set by stop(): how long a failing spool is retried on the way out
+        self._catch_up = True  # the tenants' forget counts are to be read before the next batch
 
     # --- the request path ---------------------------------------------------------------------
 
@@ -145,11 +148,14 @@ class Recorder:
     def persist_now(self, items: list[Item]) -> None:
         """Make items durable now: prepared (redacted), then written, or spooled when the database is
         away. Raises (OSError from the spool) when neither took them; the caller keeps them."""
+        self._catch_up_now()
         steps = [x for x in items if isinstance(x, CapturedStep)]
         sealed: list[Record] = [x for x in items if isinstance(x, SealedResponse)]
+        seen = self.preparer.seen(sorted({st.session.tenant for st in steps}))  # before: see Preparer.seen
         records: list[Record] = [*self._prepare_safely(steps), *sealed] if steps else sealed
+        captured = {st.step_id: st for st in steps}
         for i in range(0, len(records), self.batch_size):
-            self._persist(records[i : i + self.batch_size])
+            self._persist(records[i : i + self.batch_size], seen, captured)
         self.spool_error = None
         self._progress_at = time.monotonic()
         self.stats["processed"] += len(steps)
@@ -256,9 +262,34 @@ class Recorder:
             self._keep(items, e)  # the writer thread retries them
 
     def _write_json(self, records: list[dict]) -> None:
-        self._write([record_from_json(r) for r in records])
+        self._write([record_from_json(r) for r in records])  # references checked; stale ones quarantined
 
-    def _write(self, records: list[Record]) -> None:
+    def _write_fresh(self, records: list[Record], seen: dict[str, int | None],
+                     captured: dict[str, CapturedStep]) -> None:
+        """Write records prepared from `captured` just now. A forget the cache had not heard of may have
+        deleted contents they refer to (proxy.store.forgets): then the cache lets go of those and of
+        the batch's own, and the batch is prepared again, so it carries every row it refers to."""
+        for _ in range(3):
+            try:
+                self._write(records, seen=seen, on_stale="raise")
+                return
+            except StaleContents as e:
+                steps = [r for r in records if isinstance(r, StepRecord)]
+                drop = {tenant: set(hashes) for tenant, hashes in e.missing.items()}
+                for r in steps:
+                    drop.setdefault(r.session.tenant_id, set()).update(c.hash for c in r.contents)
+                for tenant, hashes in drop.items():
+                    self.preparer.forget(tenant, content_hashes=sorted(hashes))
+                self.stats["reprepared"] = self.stats.get("reprepared", 0) + len(steps)
+                log.info("%s; preparing %d step(s) again", e, len(steps))
+                redo = [captured[r.id] for r in steps if r.id in captured]
+                seen = self.preparer.seen(sorted({st.session.tenant for st in redo}))
+                records = [*self._prepare_safely(redo), *(r for r in records if not isinstance(r, StepRecord)
+                                                         or r.id not in captured)]
+        self._write(records)  # forgets keep landing between tries: what still refers to one is quarantined
+
+    def _write(self, records: list[Record], *, seen: dict[str, int | None] | None = None,
+               on_stale: Literal["raise", "quarantine"] = "quarantine") -> None:
         """Write a batch; a batch the database refuses for its *content* is split, and a record that
         still fails alone is set aside in the spool's `rejected/` folder (redacted, like the spool),
         so one bad record can never block every later write. Connection failures raise."""
@@ -266,7 +297,7 @@ class Recorder:
         sealed = [r for r in records if isinstance(r, SealedResponse)]
         try:
             with self.factory() as s, s.begin():
-                self.stats["written"] += write_steps(s, steps, new_id)
+                self.stats["written"] += write_steps(s, steps, new_id, seen=seen, on_stale=on_stale)
                 write_sealed_responses(s, sealed)
             return
         except (DataError, IntegrityError, ProgrammingError) as e:
@@ -279,12 +310,13 @@ class Recorder:
                           records[0].id, type(e.orig).__name__)
                 return
         for r in records:
-            self._write([r])
+            self._write([r], seen=seen, on_stale=on_stale)
 
-    def _persist(self, records: list[Record]) -> None:
+    def _persist(self, records: list[Record], seen: dict[str, int | None] | None = None,
+                 captured: dict[str, CapturedStep] | None = None) -> None:
         if self.db_ok and not self.spool.pending():
             try:
-                self._write(records)
+                self._write_fresh(records, seen or {}, captured or {})
                 return
             except Exception as e:
                 self.db_ok = False
@@ -315,11 +347,29 @@ class Recorder:
         """Redact and shape captured steps into records (safe to persist anywhere)."""
         return self.preparer.prepare(steps)
 
+    def catch_up(self) -> None:
+        """Forgets may have been missed (the notes listener reconnected): nothing is believed stored,
+        and the forget counts are read again before the next batch (Preparer.catch_up)."""
+        self.preparer.catch_up(None)
+        self._catch_up = True
+
+    def _catch_up_now(self) -> None:
+        if not self._catch_up or self.factory is None or not self.db_ok:
+            return
+        try:
+            with self.factory() as s:
+                known = counts(s)
+        except Exception as e:  # unknown counts: every write checks its references meanwhile
+            log.debug("forget counts not read: %s", db_error_reason(e))
+            return
+        self.preparer.catch_up(known)
+        self._catch_up = False
+
     def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None,
-               sessions: list[str] = (), whole_tenant: bool = False) -> None:
+               sessions: list[str] = (), whole_tenant: bool = False, forgets: list[int] = ()) -> None:
         """Drop what memory holds of forgotten steps and contents (see Preparer.forget), and the
         spool's pending records of the forgotten sessions (or of the whole tenant)."""
-        self.preparer.forget(tenant, step_ids=step_ids, content_hashes=content_hashes)
+        self.preparer.forget(tenant, step_ids=step_ids, content_hashes=content_hashes, forgets=forgets)
         if sessions or whole_tenant:
             names, steps = set(sessions), set(step_ids)
 

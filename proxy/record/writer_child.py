@@ -101,6 +101,8 @@ def child_main(settings: Settings, policies: Policies, inbox: Connection, outbox
                 rec.connect(msg[1], db.session_factory(engine))
             elif kind == "forget":
                 rec.forget(msg[1], **msg[2])
+            elif kind == "catch_up":
+                rec.catch_up()
             elif kind == "tokenizer":
                 try:
                     rec.use_tokenizer(msg[1])

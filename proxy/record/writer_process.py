@@ -182,7 +182,13 @@ class WriterProcess:
         # A lost forget is harmless (a new child's caches are empty; tombstones refuse the steps).
         self._send_control(("forget", tenant, kw))
         if self._local is not None:
-            self._local.forget(tenant, step_ids=kw.get("step_ids", ()), content_hashes=kw.get("content_hashes"))
+            self._local.forget(tenant, step_ids=kw.get("step_ids", ()), content_hashes=kw.get("content_hashes"),
+                               forgets=kw.get("forgets", ()))
+
+    def catch_up(self) -> None:  # forgets may have been missed: see Recorder.catch_up
+        self._send_control(("catch_up",))
+        if self._local is not None:
+            self._local.catch_up()
 
     @property
     def pending(self) -> int:

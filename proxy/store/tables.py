@@ -49,6 +49,8 @@ class Tenant(Base):
     policy: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
     policy_updated_at: Mapped[datetime | None]
     deleted_at: Mapped[datetime | None]
+    # Forgets that deleted the tenant's contents so far (proxy.store.forgets).
+    forgets: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
 
 
 class ApiKey(Base):

@@ -10,10 +10,10 @@ import base64
 import logging
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import psycopg
@@ -36,6 +36,7 @@ from proxy.store.copy import (
     text_array,
     timestamp_array,
 )
+from proxy.store.forgets import check_references, lock_tenants
 from proxy.store.texts import ENCODED_KINDS, escape, refs
 
 log = logging.getLogger("atdp.store")
@@ -228,7 +229,10 @@ UPDATE tool_calls tc SET result_step_id = v.step_id, result_hash = v.hash, is_er
               CAST(:err AS boolean[])) AS v(session_id, call_id, step_id, hash, err)
  WHERE tc.session_id = v.session_id AND tc.call_id = v.call_id AND tc.result_step_id IS NULL
    AND tc.session_id = ANY(CAST(:sid AS text[]))"""  # planned for those sessions' day partitions only
-TENANT_INSERT = "INSERT INTO tenants (id) SELECT unnest(CAST(:ids AS text[])) ON CONFLICT DO NOTHING"
+# The batch's tenants, made, and their forget counts (proxy.store.forgets); a tenant made here is not
+# in the select's snapshot: it has had no forget.
+TENANTS = ("WITH made AS (INSERT INTO tenants (id) SELECT unnest(CAST(:ids AS text[])) ON CONFLICT DO NOTHING) "
+           "SELECT id, forgets FROM tenants WHERE id = ANY(CAST(:ids AS text[]))")
 # One row per (tenant, external id), in key order (the writers' lock order); a session seen before
 # keeps its first client and task and moves its last step time forward.
 SESSION_UPSERT = """
@@ -316,28 +320,37 @@ def needed_contents(kept: list[StepRecord], records: list[StepRecord]) -> dict[t
     return out
 
 
-def write_steps(s: Session, records: list[StepRecord], new_session_id) -> int:
+def write_steps(s: Session, records: list[StepRecord], new_session_id, *,
+                seen: Mapping[str, int | None] | None = None,
+                on_stale: Literal["raise", "quarantine"] = "quarantine") -> int:
     """Insert a batch of step records (idempotent by step id). Returns how many were new.
 
     A handful of statements per batch, whatever its size: contents, sessions (upsert + lock),
     current max seq per session, steps, tool calls, tool-result links. `new_session_id` mints the
     internal id of a session seen for the first time. `seq` continues each session's numbering in
-    the order the records are given.
+    the order the records are given. `seen`: per tenant, the forget count the preparer's cache
+    reflected when it prepared the batch (proxy.store.forgets); a tenant whose count has moved since,
+    or is unknown (None, or no `seen`: a spooled record), has its references checked (`on_stale`).
     """
     if not records:
         return 0
     tenants = sorted({r.session.tenant_id for r in records})
-    s.execute(text(TENANT_INSERT), {"ids": tenants})
+    # Before anything is read: a forget of these tenants is wholly before or wholly after this write.
+    lock_tenants(s, tenants, shared=True)
+    forgets = dict(s.execute(text(TENANTS), {"ids": text_array(tenants)}).all())
 
     # Steps of forgotten sessions are dropped first, and their contents with them: a late one
     # (spooled, re-sent) must not bring a forgotten text back as a row nothing refers to.
     kept = not_forgotten(s, records)
     if not kept:
         return 0
+    needed = needed_contents(kept, records)
+    if moved := [tn for tn in tenants if seen is None or seen.get(tn) is None or seen[tn] != forgets.get(tn, 0)]:
+        check_references(s, kept, needed, moved, on_stale)
 
     # Contents (deduplicated across the batch; rows already stored are left alone).
     ordered = [(tenant, h, c.kind, _json(escape(c.body) if c.kind in ENCODED_KINDS and not c.encoded else c.body),
-                c.size, json_text(c.redaction)) for (tenant, h), c in sorted(needed_contents(kept, records).items())]
+                c.size, json_text(c.redaction)) for (tenant, h), c in sorted(needed.items())]
     start = 0
     while start < len(ordered):  # a statement per CONTENT_CHUNK_CHARS of bodies (256 requests of 32 MB fit a batch)
         end, chars = start + 1, len(ordered[start][3])
