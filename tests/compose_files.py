@@ -241,14 +241,17 @@ def build_specs() -> dict[str, tuple[Path, Path, dict]]:
 # --- the compose CLI, where installed ----------------------------------------------------------------
 
 def compose_cli() -> list[str] | None:
+    """A Compose CLI that reads the Compose Specification: v2 or later. Compose v1 (Debian's
+    `docker-compose` 1.29) refuses the file's top-level `name`, which the spec has and v1 predates."""
     for cmd in (["docker", "compose"], ["docker-compose"]):
         if shutil.which(cmd[0]) is None:
             continue
         try:
-            r = subprocess.run([*cmd, "version"], capture_output=True, timeout=30)
+            r = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             continue
-        if r.returncode == 0:
+        major = r.stdout.strip().lstrip("v").split(".")[0]
+        if r.returncode == 0 and major.isdigit() and int(major) >= 2:
             return cmd
     return None
 
