@@ -111,6 +111,7 @@ class Settings(BaseSettings):
     port: int = 8700
     # Set by `atdp serve --workers N` on each of its processes (1..N): the worker's own spool folder
     # (a spool is drained by the process that appends to it; two on one folder would lose records).
+    # `atdp serve` moves it to the first folder no live process holds (proxy.record.spool.claim_folder).
     worker: int = Field(default=0, ge=0)
     # --- tenancy and governance ----------------------------------------------------------------------
     # Open mode: no API key needed, every call belongs to `default_tenant`. Only on loopback.
@@ -318,42 +319,43 @@ class Settings(BaseSettings):
         return list(self.checkpoint_roots) or [self.checkpoints_dir]
 
 
-def _load_secret(home: Path) -> bytes:
-    """The deployment secret keys content hashes and hash-style redaction; created once per home."""
-    path = home / "secret"
+def _create_once(path: Path, value: bytes) -> tuple[bytes, bool]:
+    """(the content of `path`, whether this call wrote it): `value`, when there was none. Written to a
+    file of a name no other writer uses and linked into place, so processes starting at the same
+    moment (the replicas of a compose service on one volume, each its container's pid 1, once all
+    wrote `.admin-key.1`) read one whole value."""
     if path.exists():
-        return path.read_bytes().strip()
-    home.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_hex(32).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        return path.read_bytes().strip(), False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, value)
-    finally:
-        os.close(fd)
-    return value
-
-
-def _admin_key_from(path: Path) -> str:
-    """The key in `path`, or a new one written there. Written to a temporary file and linked into
-    place, so a process starting at the same moment reads the whole key or creates none."""
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, secrets.token_urlsafe(32).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
+    made = False
     try:
         os.link(tmp, path)
-        logging.getLogger("atdp.config").warning("no ATDP_ADMIN_KEY: generated one into %s", path)
+        made = True
     except FileExistsError:  # another process made it first: use theirs
         pass
     finally:
         os.unlink(tmp)
-    return path.read_text().strip()
+    return path.read_bytes().strip(), made
+
+
+def _load_secret(home: Path) -> bytes:
+    """The deployment secret keys content hashes and hash-style redaction; created once per home."""
+    return _create_once(home / "secret", secrets.token_hex(32).encode())[0]
+
+
+def _admin_key_from(path: Path) -> str:
+    """The key in `path`, or a new one written there (`_create_once`)."""
+    key, made = _create_once(path, secrets.token_urlsafe(32).encode())
+    if made:
+        logging.getLogger("atdp.config").warning("no ATDP_ADMIN_KEY: generated one into %s", path)
+    return key.decode()
 
 
 def read_settings(env: Mapping[str, str] | None = None) -> Settings:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import threading
@@ -42,6 +43,27 @@ def _write_all(fd: int, data: bytes) -> None:
         if n <= 0:
             raise OSError(errno.ENOSPC, "short write to the spool")
         view = view[n:]
+
+
+def claim_folder(spool_root: Path, first: int, *, limit: int = 1024) -> tuple[int, int]:
+    """(K, fd): the spool folder of index K (0: `spool_root`, else `spool_root/worker-K`) that this
+    process now holds, `first` if no live process holds it, else the lowest free one. Held by an
+    exclusive flock on the folder's `.owner` until the process exits (keep `fd` open): a spool is
+    drained by the process that appends to it, and two on one folder would lose records (one deletes
+    a segment the other still appends to). The replicas of `docker compose up --scale proxy=N` share
+    one home volume, each with worker index 0: each gets a folder of its own, and a replica that
+    starts later takes over a folder its predecessor left, with whatever it had not drained."""
+    for k in dict.fromkeys([first, *range(limit)]):
+        folder = spool_root / f"worker-{k}" if k else spool_root
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / ".owner", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return k, fd
+    raise RuntimeError(f"every one of {limit} spool folders under {spool_root} is held by a live process")
 
 
 class Spool:

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from proxy.config import Settings
 
@@ -118,13 +119,27 @@ def alembic_config(url: str):
 _alembic_lock = threading.Lock()  # alembic's context is process-global: one migration at a time
 
 
+# Held while migrating: proxies starting together on one database (the replicas of `docker compose up
+# --scale proxy=3`) each migrate at start, and two creating the same tables fail on PostgreSQL's
+# catalog keys (seen: two of three replicas, "duplicate key value violates pg_type_typname_nsp_index").
+MIGRATION_LOCK = 0x6174647000000001  # "atdp" + 1; the swap and canary buses use keys of their own
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     from alembic import command
 
-    with _alembic_lock:
-        command.upgrade(alembic_config(url), revision)
-    if revision == "head":
-        ensure_partitions(url)
+    engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with engine.connect() as lock, _alembic_lock:
+            lock.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
+            try:
+                command.upgrade(alembic_config(url), revision)  # the next one waits, then finds it done
+                if revision == "head":
+                    ensure_partitions(url)
+            finally:
+                lock.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK})
+    finally:
+        engine.dispose()
 
 
 def ensure_partitions(url: str) -> list[str]:

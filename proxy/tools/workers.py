@@ -15,7 +15,8 @@ and a canary's routing is read by all (proxy.control.canarybus).
 Writers are not shared: a worker holds every step until its own child acknowledges it durable, and
 that protocol is a pipe between the two. One writer per worker also scales the redaction and the
 writes with the workers; PostgreSQL is the only thing they share. Each worker spools to its own
-folder (`spool/worker-K`): a spool is drained by the process that appends to it.
+folder (`spool/worker-K`, or the first one no live process holds: proxy.record.spool.claim_folder):
+a spool is drained by the process that appends to it.
 """
 
 from __future__ import annotations

@@ -53,3 +53,36 @@ def test_the_secret_is_created_once_per_home(tmp_path):
 def test_constructed_settings_take_field_names():
     s = Settings(home=Path("/h"), upstream_urls=["http://x/"], writer_mode="thread", secret=b"s")
     assert s.upstream_urls == ["http://x"] and s.writer_mode == "thread" and s.spool_dir == Path("/h/spool")
+
+
+def test_replicas_starting_together_share_one_secret_and_one_admin_key(tmp_path):
+    """The replicas of `docker compose up --scale proxy=3` start at once on one volume, each as its
+    container's pid 1. Threads of one process share a pid too: the admin key's temporary file was
+    named by pid, so one replica removed another's (FileNotFoundError, the replica restarting), and
+    the secret was created empty first, then written, so a replica could read it empty."""
+    import threading
+
+    from proxy import config
+
+    n = 16
+    ready = threading.Barrier(n)
+    got: list[tuple[bytes, str]] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        ready.wait()
+        try:
+            got.append((config._load_secret(tmp_path / "home"), config._admin_key_from(tmp_path / "home" / "admin-key")))
+        except BaseException as e:  # noqa: BLE001 - every failure is the finding
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert len(got) == n and len(set(got)) == 1
+    secret, key = got[0]
+    assert len(secret) == 64 and len(key) >= 40
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["admin-key", "secret"]  # no leftovers
