@@ -37,7 +37,8 @@ def turn(client: openai.OpenAI, model: str, messages: list[dict], stream: bool) 
 
 
 def stored_turns(url: str, key: str, session: str, want: int, timeout_s: float = 30.0) -> int:
-    """How many steps the session holds, once the writers have stored `want` (or the time is up)."""
+    """How many steps the session holds in order (seq 1..n), once the writers have stored `want` (or
+    the time is up); -1 when they are out of order."""
     deadline, n = time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
         r = httpx.get(f"{url}/atdp/v1/sessions/{session}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
@@ -45,8 +46,7 @@ def stored_turns(url: str, key: str, session: str, want: int, timeout_s: float =
             steps = r.json()["steps"]
             n = len(steps)
             if n >= want:
-                assert [s["seq"] for s in steps] == list(range(1, n + 1))
-                return n
+                return n if [s["seq"] for s in steps] == list(range(1, n + 1)) else -1
         time.sleep(0.5)
     return n
 

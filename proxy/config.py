@@ -308,7 +308,7 @@ class Settings(BaseSettings):
 
     @property
     def spool_dir(self) -> Path:
-        return self.home / "spool" / f"worker-{self.worker}" if self.worker else self.home / "spool"
+        return spool_folder(self.home, self.worker)
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -317,6 +317,11 @@ class Settings(BaseSettings):
     @property
     def allowed_checkpoint_roots(self) -> list[Path]:
         return list(self.checkpoint_roots) or [self.checkpoints_dir]
+
+
+def spool_folder(home: Path, worker: int) -> Path:
+    """Worker K's spool folder: `spool/` for 0 (a lone proxy), `spool/worker-K` otherwise."""
+    return home / "spool" / f"worker-{worker}" if worker else home / "spool"
 
 
 def _create_once(path: Path, value: bytes) -> tuple[bytes, bool]:

@@ -62,7 +62,7 @@ class Forgotten:
     partitions: list[str] = field(default_factory=list)  # days whose partitions retention dropped
     forgets: int | None = None  # the tenant's forget count after this one, when it deleted contents
 
-    def count(self, s: Session, *, whole_tenant: bool = False) -> None:
+    def count_forget(self, s: Session, *, whole_tenant: bool = False) -> None:
         """Count this forget (proxy.store.forgets) when it deleted contents writers may believe stored."""
         if whole_tenant or self.content_hashes:
             self.forgets = bump(s, self.tenant)
@@ -189,7 +189,7 @@ def forget_session(s: Session, session_id: str, *, tenant: str | None, actor: st
     s.execute(select(t.Session.id).where(t.Session.id == row.id).with_for_update())
     _forget_sessions(s, row.tenant_id, [row.id], out)
     tombstone(s, row.tenant_id, row.external_id)
-    out.count(s)
+    out.count_forget(s)
     out.external_ids.append(row.external_id)
     details = {**out.counts(), "session_id": row.id}
     if reason:
@@ -212,7 +212,7 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
     # exist, contents can) goes here.
     out.contents += s.execute(delete(t.Content).where(t.Content.tenant_id == tenant)).rowcount
     out.stored_responses += s.execute(delete(t.StoredResponse).where(t.StoredResponse.tenant_id == tenant)).rowcount
-    out.count(s, whole_tenant=True)
+    out.count_forget(s, whole_tenant=True)
     details = out.counts()
     if reason:
         details["reason"] = reason
@@ -369,7 +369,7 @@ def run_retention(s: Session, *, policy_for, now: datetime | None = None, actor:
                 _merge(by_tenant.setdefault(tenant, Forgotten(tenant=tenant)), got)
             log.info("retention dropped the partitions of %s", ", ".join(part.day.isoformat() for part, _ in days))
     for out in by_tenant.values():
-        out.count(s)
+        out.count_forget(s)
         _audit(s, actor, out.tenant, "retention.forget", out.tenant, {**out.counts(), "now": now.isoformat()})
         announce(s, out, origin=origin)
     return list(by_tenant.values())

@@ -45,16 +45,16 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def claim_folder(spool_root: Path, first: int, *, limit: int = 1024) -> tuple[int, int]:
-    """(K, fd): the spool folder of index K (0: `spool_root`, else `spool_root/worker-K`) that this
-    process now holds, `first` if no live process holds it, else the lowest free one. Held by an
-    exclusive flock on the folder's `.owner` until the process exits (keep `fd` open): a spool is
-    drained by the process that appends to it, and two on one folder would lose records (one deletes
-    a segment the other still appends to). The replicas of `docker compose up --scale proxy=N` share
-    one home volume, each with worker index 0: each gets a folder of its own, and a replica that
-    starts later takes over a folder its predecessor left, with whatever it had not drained."""
+def claim_folder(folder_of: Callable[[int], Path], first: int, *, limit: int = 1024) -> tuple[int, int]:
+    """(K, fd): the spool folder `folder_of(K)` (proxy.config.spool_folder) that this process now
+    holds, `first` if no live process holds it, else the lowest free one. Held by an exclusive flock
+    on the folder's `.owner` until the process exits (keep `fd` open): a spool is drained by the
+    process that appends to it, and two on one folder would lose records (one deletes a segment the
+    other still appends to). The replicas of `docker compose up --scale proxy=N` share one home
+    volume, each with worker index 0: each gets a folder of its own, and a replica that starts later
+    takes over a folder its predecessor left, with whatever it had not drained."""
     for k in dict.fromkeys([first, *range(limit)]):
-        folder = spool_root / f"worker-{k}" if k else spool_root
+        folder = folder_of(k)
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / ".owner", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -63,7 +63,7 @@ def claim_folder(spool_root: Path, first: int, *, limit: int = 1024) -> tuple[in
             os.close(fd)
             continue
         return k, fd
-    raise RuntimeError(f"every one of {limit} spool folders under {spool_root} is held by a live process")
+    raise RuntimeError(f"every one of {limit} spool folders ({folder_of(0)}, ...) is held by a live process")
 
 
 class Spool:

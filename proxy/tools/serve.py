@@ -37,11 +37,12 @@ def cmd_serve(args) -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return supervise(args, settings)
+    from proxy.config import spool_folder
     from proxy.providers import ProviderConfigError
     from proxy.record.spool import claim_folder
 
     # A spool folder of this process's own, held while it lives (replicas on one volume: claim_folder).
-    settings.worker, _held = claim_folder(settings.home / "spool", settings.worker)
+    settings.worker, _held = claim_folder(lambda k: spool_folder(settings.home, k), settings.worker)
     try:
         app = create_app(settings)
     except ProviderConfigError as e:
