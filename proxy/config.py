@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     writer_hold_mb: float = Field(default=64.0, gt=0)
     batch_size: int = 256
     flush_interval_s: float = 0.05
+    # How often a writer looks for spool folders no live process holds (a replica scaled away for good
+    # left it with records it had not drained) and drains them (proxy.record.spool.adopted); 0: never.
+    spool_adopt_s: float = Field(default=30.0, ge=0)
     writer_lag_s: float = 30.0  # /healthz is not ok while a step waits longer than this to be durable
     upstream_timeout_s: float = 600.0
     # Output tokens per streamed chunk asked of vLLM (its per-request `stream_interval`; the engine's
@@ -322,6 +325,16 @@ class Settings(BaseSettings):
 def spool_folder(home: Path, worker: int) -> Path:
     """Worker K's spool folder: `spool/` for 0 (a lone proxy), `spool/worker-K` otherwise."""
     return home / "spool" / f"worker-{worker}" if worker else home / "spool"
+
+
+def spool_folders(home: Path) -> list[Path]:
+    """Every worker's spool folder that exists under `home` (spool_folder's names only: not the
+    spool's own `quarantine/` or `rejected/`)."""
+    root = home / "spool"
+    if not root.is_dir():
+        return []
+    workers = [p for p in root.glob("worker-*") if p.name[len("worker-"):].isdigit() and p.is_dir()]
+    return [root, *sorted(workers, key=lambda p: int(p.name[len("worker-"):]))]
 
 
 def _create_once(path: Path, value: bytes) -> tuple[bytes, bool]:

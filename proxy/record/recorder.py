@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Literal
 
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
@@ -28,7 +29,7 @@ from proxy.governance.tokens import TokenGuard, load_codec
 from proxy.record.capture import CapturedStep
 from proxy.record.durability import InFlight, WriterHealth
 from proxy.record.prepare import CacheSizes, Preparer, TokenPolicy
-from proxy.record.spool import Spool
+from proxy.record.spool import Spool, adopted
 from proxy.store.db import db_error_reason
 from proxy.store.forgets import StaleContents, counts
 from proxy.store.ids import new_id
@@ -53,9 +54,15 @@ class Recorder:
                  redactor: TextRedactor, policy_for: Callable[[Session | None, str], TenantPolicy],
                  queue_size: int = 10_000, batch_size: int = 256, flush_interval_s: float = 0.05,
                  retry_interval_s: float = 1.0, token_policy: TokenPolicy | None = None,
-                 caches: CacheSizes | None = None) -> None:
+                 caches: CacheSizes | None = None, orphans: Callable[[], list[Path]] | None = None,
+                 adopt_interval_s: float = 30.0) -> None:
         self.factory = factory
         self.spool = spool
+        # Other processes' spool folders under the same home (proxy.config.spool_folders): the ones no
+        # live process holds are drained here (adopt); None: this writer adopts none.
+        self.orphans = orphans
+        self.adopt_interval_s = adopt_interval_s
+        self._next_adopt = 0.0
         self.redactor = redactor
         self.preparer = Preparer(secret=secret, redactor=redactor, policy_for=policy_for, token_policy=token_policy,
                                  database=lambda: self.factory if self.db_ok else None, caches=caches)
@@ -68,7 +75,8 @@ class Recorder:
         self._stop = threading.Event()
         self.db_ok = factory is not None
         self._next_retry = 0.0
-        self.stats = {"submitted": 0, "processed": 0, "written": 0, "spooled": 0, "overflow": 0, "errors": 0}
+        self.stats = {"submitted": 0, "processed": 0, "written": 0, "spooled": 0, "overflow": 0, "errors": 0,
+                      "adopted": 0}
         self.inflight = InFlight()  # answered steps not yet durable (feedback waits for them)
         self.spool_error: str | None = None  # the last spool failure, until a write succeeds again
         # Items that could not be made durable yet (the spool failed): retried, never dropped.
@@ -160,6 +168,7 @@ class Recorder:
         self._progress_at = time.monotonic()
         self.stats["processed"] += len(steps)
         self.inflight.done(steps)
+        self._adopt_when_due()
 
     def _keep(self, items: list[Item], e: BaseException) -> None:
         self.stats["errors"] += 1
@@ -331,17 +340,49 @@ class Recorder:
         self._try_drain()
 
     def _try_drain(self) -> None:
-        if self.factory is None or not self.spool.pending() or time.monotonic() < self._next_retry:
+        if self.factory is None or time.monotonic() < self._next_retry:
             return
+        if self.spool.pending():
+            try:
+                n = self.spool.drain(self._write_json)
+                self.db_ok = True
+                if n:
+                    log.info("wrote %d spooled steps back to the database", n)
+            except Exception as e:
+                self.db_ok = False
+                self._next_retry = time.monotonic() + self.retry_interval_s
+                log.debug("spool drain deferred: %s", e)
+                return
+        self._adopt_when_due()
+
+    def _adopt_when_due(self) -> None:
+        if self.orphans is None or self.factory is None or not self.db_ok or time.monotonic() < self._next_adopt:
+            return
+        self._next_adopt = time.monotonic() + self.adopt_interval_s
         try:
-            n = self.spool.drain(self._write_json)
-            self.db_ok = True
-            if n:
-                log.info("wrote %d spooled steps back to the database", n)
-        except Exception as e:
+            self.adopt()
+        except Exception as e:  # the folder keeps its records; the next look tries again
             self.db_ok = False
             self._next_retry = time.monotonic() + self.retry_interval_s
-            log.debug("spool drain deferred: %s", e)
+            log.warning("draining another process's spool folder deferred: %s", db_error_reason(e))
+
+    def adopt(self) -> int:
+        """Drain every other spool folder no live process holds (a replica scaled away for good, or one
+        that crashed and was not restarted, left it), each held while it is drained, so a replica
+        starting meanwhile takes another. Their records were prepared by another writer: the write
+        checks every content they refer to (a forget may have deleted it since). Returns records written."""
+        done = 0
+        for folder in self.orphans() if self.orphans is not None else []:
+            if folder == self.spool.dir:
+                continue
+            with adopted(folder) as other:
+                if other is None or not other.pending():
+                    continue
+                n = other.drain(self._write_json)
+                done += n
+                self.stats["adopted"] += n
+                log.info("wrote %d steps that a stopped process had spooled in %s", n, folder.name)
+        return done
 
     def prepare(self, steps: list[CapturedStep]) -> list[StepRecord]:
         """Redact and shape captured steps into records (safe to persist anywhere)."""
@@ -381,3 +422,10 @@ class Recorder:
 
             if n := self.spool.purge(forgotten):
                 log.info("forget: %d pending spool record(s) purged", n)
+            # Folders no live process holds are purged here too (a live one's writer purges its own).
+            for folder in self.orphans() if self.orphans is not None else []:
+                if folder == self.spool.dir:
+                    continue
+                with adopted(folder) as other:
+                    if other is not None and (n := other.purge(forgotten)):
+                        log.info("forget: %d record(s) purged from the unheld spool folder %s", n, folder.name)

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -64,6 +64,35 @@ def claim_folder(folder_of: Callable[[int], Path], first: int, *, limit: int = 1
             continue
         return k, fd
     raise RuntimeError(f"every one of {limit} spool folders ({folder_of(0)}, ...) is held by a live process")
+
+
+def held(folder: Path) -> bool:
+    """Whether a live process holds `folder` (claim_folder's lock on its `.owner`)."""
+    with adopted(folder, create=False) as spool:
+        return spool is None and (folder / ".owner").exists()
+
+
+@contextlib.contextmanager
+def adopted(folder: Path, *, create: bool = True) -> Iterator[Spool | None]:
+    """The spool in `folder`, held for the block as claim_folder holds one, if no live process holds
+    it; None if one does (or, without `create`, if it has no `.owner`). A replica scaled away for good
+    leaves its folder unheld, with whatever it had not drained: another replica's writer takes the
+    folder a moment, drains it and lets it go (Recorder.adopt)."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(folder / ".owner", flags, 0o600)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield None
+            return
+        yield Spool(folder)
+    finally:
+        os.close(fd)  # the lock goes with it
 
 
 class Spool:

@@ -7,20 +7,21 @@ import gc
 import logging
 import os
 import signal
+from functools import partial
 from multiprocessing.connection import Connection
 
 from proxy import logs, memtrace
-from proxy.config import Settings
+from proxy.config import Settings, spool_folders
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import RedactionConfig, TextRedactor
 from proxy.governance.redaction_pool import RedactionPool
 from proxy.governance.tokens import TokenGuard, load_codec, token_policy
 from proxy.record.recorder import CacheSizes, Recorder
-from proxy.record.spool import Spool
+from proxy.record.spool import Spool, held
 
 log = logging.getLogger("atdp.writer")
 
-STATS = ("processed", "written", "spooled", "errors")
+STATS = ("processed", "written", "spooled", "errors", "adopted")
 
 
 def build_recorder(settings: Settings, policies: Policies, *, redactor: TextRedactor | None = None,
@@ -32,12 +33,19 @@ def build_recorder(settings: Settings, policies: Policies, *, redactor: TextReda
         redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=workers,
                                  inline_chars=200_000 if inline else 0)
     codec = load_codec(settings.tokenizer)
+    # A writer adopts other folders only where every spool folder is held by its live process: a
+    # process of `atdp serve` (claim_folder) holds this one. An embedding that holds none (create_app
+    # alone, in tests) might share a home with processes that hold none either.
+    orphans = None
+    if settings.spool_adopt_s > 0 and held(settings.spool_dir):
+        orphans = partial(spool_folders, settings.home)
     return Recorder(
         secret=settings.secret, factory=None, spool=Spool(settings.spool_dir), redactor=redactor,
         policy_for=lambda s, tenant: policies.policy_for(s, tenant) if s is not None else policies.base(tenant),
         queue_size=settings.queue_size, batch_size=settings.batch_size, flush_interval_s=settings.flush_interval_s,
         token_policy=TokenGuard(codec) if codec is not None else token_policy,
-        caches=CacheSizes(settings.writer_cache_entries, settings.token_cache_tokens, settings.token_cache_s))
+        caches=CacheSizes(settings.writer_cache_entries, settings.token_cache_tokens, settings.token_cache_s),
+        orphans=orphans, adopt_interval_s=settings.spool_adopt_s)
 
 
 def _child_stats(rec: Recorder) -> dict[str, object]:
