@@ -1,8 +1,9 @@
 """Bulk writes with PostgreSQL's COPY, inside the caller's SQLAlchemy transaction.
 
 The writer's hot path: one COPY per table per batch instead of SQLAlchemy compiling a many-row
-INSERT (most of the writer's CPU went there and into psycopg's per-element array dumping). Arrays
-are sent as their text literals, built here with `str.join` (C speed), and JSON through orjson;
+INSERT (most of the writer's CPU went there and into psycopg's per-element array dumping). Text
+arrays go as binary parameters (`text_array`), other arrays as text literals built with `str.join`
+(C speed), and JSON through orjson;
 `steps`, whose token arrays are most of a batch, goes in binary: an `integer[]` or `real[]` of n
 values is n (length, value) pairs of 4-byte words, built by slicing machine arrays (`binary_int4s`,
 `binary_float4s`: a few microseconds where the text literal of a 200-id prompt took 25).
@@ -45,7 +46,8 @@ def int_array(values: Iterable[int] | None) -> str | None:
 # lower bound (1); then each element as a 4-byte length and its bytes (big-endian, network order).
 _ARRAY_HEAD = struct.Struct(">iiIii")
 _EMPTY_ARRAY = struct.Struct(">iiI")  # ndim 0: '{}'
-INT4_OID, FLOAT4_OID, VARCHAR_OID = 23, 700, 1043
+INT4_OID, FLOAT4_OID, VARCHAR_OID, TEXT_OID, TEXT_ARRAY_OID = 23, 700, 1043, 25, 1009
+_NULL = (-1).to_bytes(4, "big", signed=True)
 _SWAP = sys.byteorder == "little"
 
 
@@ -100,10 +102,29 @@ def binary_texts(values: Sequence[str], oid: int = VARCHAR_OID) -> bytes:
         len(b).to_bytes(4, "big") + b for b in encoded)
 
 
-def text_array(values: Sequence[str | None]) -> str:
-    """A `text[]` literal, every element quoted and escaped, so any text without NUL is safe; None is NULL."""
-    return "{" + ",".join("NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-                          for v in values) + "}"
+class TextArray(tuple[str | None, ...]):
+    """A `text[]` query parameter, sent in binary (`_TextArrayDumper`): each element its length and its
+    UTF-8 bytes. A text literal had every element quoted and escaped here (two passes over each JSON
+    body) and parsed back by the server; any text without NUL is safe either way; None is NULL."""
+
+
+class _TextArrayDumper(psycopg.adapt.Dumper):
+    format = psycopg.pq.Format.BINARY
+    oid = TEXT_ARRAY_OID
+
+    def dump(self, obj: TextArray) -> bytes:
+        if not obj:
+            return _EMPTY_ARRAY.pack(0, 0, TEXT_OID)
+        parts = [_NULL if v is None else len(b := v.encode()).to_bytes(4, "big") + b for v in obj]
+        return _ARRAY_HEAD.pack(1, None in obj, TEXT_OID, len(parts), 1) + b"".join(parts)
+
+
+psycopg.adapters.register_dumper(TextArray, _TextArrayDumper)
+
+
+def text_array(values: Iterable[str | None]) -> TextArray:
+    """A `text[]` parameter of `values` (for `CAST(:p AS text[])` and `= ANY(...)`)."""
+    return TextArray(values)
 
 
 def timestamp_array(values: Sequence[datetime]) -> str:

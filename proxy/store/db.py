@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from proxy.config import Settings
+from proxy.store import copy as _copy  # noqa: F401  registers copy.TextArray's dumper before any connection
 
 log = logging.getLogger("atdp.db")
 

@@ -209,7 +209,7 @@ def not_forgotten(s: Session, records: list[StepRecord]) -> list[StepRecord]:
     return kept
 
 
-# The batch's new contents in one statement over array literals (built by `copy.text_array`), in key
+# The batch's new contents in one statement over array parameters (`copy.text_array`), in key
 # order (the writers' lock order). One row per execution, pipelined, cost the writer about a sixth
 # of its CPU per step, and PostgreSQL an executor start per row.
 CONTENT_INSERT = """
@@ -220,7 +220,7 @@ SELECT tenant, hash, kind, CAST(body AS jsonb), size, CAST(redaction AS jsonb)
        WITH ORDINALITY AS v(tenant, hash, kind, body, size, redaction, n)
  ORDER BY n
 ON CONFLICT DO NOTHING"""
-# Bodies per contents statement: an array literal is one value, and PostgreSQL refuses any over 1 GB.
+# Bodies per contents statement: an array parameter is one value, and PostgreSQL refuses any over 1 GB.
 CONTENT_CHUNK_CHARS = 16 * 2**20
 CALL_COLUMNS = ("step_id", "call_id", "session_id", "tenant_id", "name", "arguments")
 LINK_UPDATE = """
@@ -377,8 +377,8 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id, *,
              first[k].session.task_id, _json(first[k].session.labels), first[k].started_at, last_at[k],
              first[k].session.replay_of) for k in keys]
     cols = list(zip(*rows, strict=True))
-    # Array literals (C-speed joins), not lists: psycopg dumps a list element by element in Python,
-    # about 15 us per session here.
+    # Arrays built here (copy.text_array, timestamp_array), not lists: psycopg dumps a list element by
+    # element in Python, about 15 us per session here.
     params = dict(zip(("id", "tenant", "ext", "client", "info", "task", "labels", "replay_of"),
                       map(text_array, cols[:7] + cols[9:]), strict=True))
     params["started"], params["last"] = timestamp_array(cols[7]), timestamp_array(cols[8])

@@ -367,8 +367,9 @@ def test_column_types_are_asked_again_after_a_refused_copy(factory, tenant):
 
 
 def test_array_literals_read_back_as_the_values(factory):
-    # The writer's per-batch parameters are built as literals by hand: each must read back exactly,
-    # quotes, backslashes, braces, the word NULL and None (a real NULL) included.
+    # The writer's per-batch parameters are built by hand (text arrays in binary, the others as
+    # literals): each must read back exactly, quotes, backslashes, braces, the word NULL and None (a
+    # real NULL) included, and an empty array.
     from datetime import timezone
 
     from proxy.store.copy import bool_array, text_array, timestamp_array
@@ -378,8 +379,11 @@ def test_array_literals_read_back_as_the_values(factory):
              datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone(timedelta(hours=-7, minutes=-30)))]
     flags = [True, False, None, 1, 0]
     with factory() as s:
-        got = s.execute(text("SELECT CAST(:t AS text[]), CAST(:ts AS timestamptz[]), CAST(:b AS boolean[])"),
-                        {"t": text_array(texts), "ts": timestamp_array(times), "b": bool_array(flags)}).one()
+        got = s.execute(text("SELECT CAST(:t AS text[]), CAST(:ts AS timestamptz[]), CAST(:b AS boolean[]), "
+                             "CAST(:e AS text[]), 'x' = ANY(CAST(:e AS text[]))"),
+                        {"t": text_array(texts), "ts": timestamp_array(times), "b": bool_array(flags),
+                         "e": text_array([])}).one()
+    assert got[3] == [] and got[4] is False
     assert got[0] == texts
     assert got[1] == times  # the same instants, whatever offset they were written with
     assert got[2] == [True, False, False, True, False]
