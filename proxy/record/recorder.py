@@ -45,6 +45,7 @@ from proxy.store.write import (
 log = logging.getLogger("atdp.writer")
 
 
+ADOPT_RECORDS = 4096  # records of other processes' spool folders written per look (Recorder.adopt)
 Item = CapturedStep | SealedResponse  # what the writer takes: captured steps, sealed /v1/responses conversations
 Record = StepRecord | SealedResponse  # what it writes (or spools): every text in it already redacted (or sealed)
 
@@ -370,7 +371,9 @@ class Recorder:
         """Drain every other spool folder no live process holds (a replica scaled away for good, or one
         that crashed and was not restarted, left it), each held while it is drained, so a replica
         starting meanwhile takes another. Their records were prepared by another writer: the write
-        checks every content they refer to (a forget may have deleted it since). Returns records written."""
+        checks every content they refer to (a forget may have deleted it since). A look writes whole
+        segments up to ADOPT_RECORDS and, if more is left, comes again after this writer's next batch:
+        its own steps are not held behind a large folder. Returns records written."""
         done = 0
         for folder in self.orphans() if self.orphans is not None else []:
             if folder == self.spool.dir:
@@ -378,10 +381,13 @@ class Recorder:
             with adopted(folder) as other:
                 if other is None or not other.pending():
                     continue
-                n = other.drain(self._write_json)
+                n = other.drain(self._write_json, limit=ADOPT_RECORDS - done)
                 done += n
                 self.stats["adopted"] += n
                 log.info("wrote %d steps that a stopped process had spooled in %s", n, folder.name)
+                if other.pending():
+                    self._next_adopt = 0.0
+                    break
         return done
 
     def prepare(self, steps: list[CapturedStep]) -> list[StepRecord]:

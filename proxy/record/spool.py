@@ -210,11 +210,14 @@ class Spool:
         self.quarantined += len(lines)
         return path
 
-    def drain(self, write: Callable[[list[dict]], None], batch: int = 256) -> int:
-        """Replay every closed segment through `write` (which raises on failure). Returns records replayed."""
+    def drain(self, write: Callable[[list[dict]], None], batch: int = 256, limit: int | None = None) -> int:
+        """Replay every closed segment through `write` (which raises on failure), or whole segments until
+        `limit` records are replayed. Returns records replayed."""
         self._rotate()
         done = 0
         for path in self.segments():
+            if limit is not None and done >= limit:
+                break
             with self._lock:
                 if path == self._current:  # appended to since the rotate: leave it for next time
                     break

@@ -101,6 +101,33 @@ def test_unheld_folders_are_drained_and_a_held_one_is_left_alone(redactor, facto
     rec.spool.close()
 
 
+def test_a_large_folder_is_drained_a_few_segments_a_look(redactor, factory, tenant, tmp_path, monkeypatch):
+    """The writer's own steps are not held behind a large folder: a look writes whole segments up to
+    ADOPT_RECORDS and comes back after the writer's next batch for the rest."""
+    import proxy.record.recorder as recorder
+
+    home = tmp_path / "home"
+    folder = spool_folder(home, 1)
+    k, fd = claim_folder(lambda _: folder, 0, limit=1)
+    gone = _recorder(redactor, folder)
+    steps = [_step(tenant, f"big-{i}", f"turn {i}") for i in range(6)]
+    for i in range(0, 6, 2):
+        gone.persist_now(steps[i:i + 2])
+        gone.spool.close()  # a segment each
+    os.close(fd)
+    assert len(Spool(folder).segments()) == 3
+    monkeypatch.setattr(recorder, "ADOPT_RECORDS", 3)
+    rec = _recorder(redactor, spool_folder(home, 0), factory, home)
+    rec.adopt_interval_s = 3600.0
+    rec.drain_spool()
+    assert len(_stored(factory, tenant)) == 4  # two whole segments: the first two did not reach 3
+    assert rec._next_adopt == 0.0  # more is left: due again now, not in an hour
+    rec.persist_now([_step(tenant, "live", "the writer's own batch")])  # and after it, the rest
+    assert len(_stored(factory, tenant)) == 7 and not Spool(folder).pending()
+    assert rec._next_adopt > time.monotonic() + 3000
+    rec.spool.close()
+
+
 def test_a_forget_purges_unheld_folders_before_they_are_drained(redactor, factory, tenant, tmp_path):
     home = tmp_path / "home"
     steps = [_step(tenant, "keep", "keep me"), _step(tenant, "forget", "my card is 4111 1111 1111 1111"),
