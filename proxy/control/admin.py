@@ -23,12 +23,14 @@ from sqlalchemy.orm import Session
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.config import Settings, spool_folders
 from proxy.errors import ApiError
 from proxy.governance import forget
 from proxy.governance.policies import Policies
 from proxy.governance.policy import PolicyError, TenantPolicy
 from proxy.http import DB_UNAVAILABLE, Route, check_id, json_response, path_id, read_json, run_db
 from proxy.record import deadletters
+from proxy.record.spool import adoptable
 from proxy.shapes import text_problem
 from proxy.state import AppState
 from proxy.store import tables as t
@@ -104,8 +106,7 @@ class ForgetFollower:
             try:
                 forget_here(self.state, tenant, sorted(steps), None if whole else sorted(contents), sorted(sessions),
                             whole_tenant=whole, forgets=sorted(forgets))
-                letters = await asyncio.to_thread(_purge_letters, self.state.settings.spool_dir, tenant, whole,
-                                                  sessions)
+                letters = await asyncio.to_thread(_purge_letters, self.state.settings, tenant, whole, sessions)
                 log.info("forget from another proxy applied: tenant %s, %d sessions, %d steps, %d contents%s, "
                          "%d dead letters", tenant, len(sessions), len(steps), len(contents),
                          " (whole tenant)" if whole else "", len(letters))
@@ -113,8 +114,15 @@ class ForgetFollower:
                 log.error("a forget from another proxy was not applied here (%s: %s)", type(e).__name__, e)
 
 
-def _purge_letters(spool_dir: Path, tenant: str, whole: bool, sessions: set[str]) -> list[deadletters.DeadLetter]:
-    return deadletters.purge(spool_dir, lambda d: d.tenant == tenant and (whole or d.session in sessions))
+def _purge_letters(settings: Settings, tenant: str, whole: bool, sessions: set[str]) -> list[deadletters.DeadLetter]:
+    return deadletters.purge(settings.spool_dir, lambda d: d.tenant == tenant and (whole or d.session in sessions),
+                             _others(settings))
+
+
+def _others(settings: Settings) -> list[Path]:
+    """The spool folders on this home besides this process's own, whose dead letters it purges while no
+    live process holds them (a replica scaled away left them; proxy.record.spool.adoptable)."""
+    return adoptable(spool_folders(settings.home), settings.spool_dir)
 
 
 def _merged(notes: list[dict[str, Any]]) -> dict[str, tuple[bool, set[str], set[str], set[str], set[int]]]:
@@ -184,8 +192,8 @@ def routes(state: AppState) -> list[Route]:
         except LookupError:
             raise ApiError(409, "this session id exists in several tenants; pass ?tenant=") from None
         # Its dead letters too (a session whose every step was refused has no row, only those).
-        letters = await asyncio.to_thread(deadletters.purge_session, state.settings.spool_dir, session_id,
-                                          report.tenant if report else tenant)
+        letters = await asyncio.to_thread(lambda: deadletters.purge_session(
+            state.settings.spool_dir, session_id, report.tenant if report else tenant, _others(state.settings)))
         if report is None and not letters:
             raise ApiError(404, "session not found", code="session_not_found")
         if report is None:
@@ -207,7 +215,8 @@ def routes(state: AppState) -> list[Route]:
         await asyncio.to_thread(state.recorder.flush, 10.0)
         report = await run_db(state, lambda s: forget.forget_tenant(s, tenant, actor=principal.actor, reason=reason,
                                                                            origin=state.bus_id))
-        letters = await asyncio.to_thread(deadletters.purge_tenant, state.settings.spool_dir, tenant)
+        letters = await asyncio.to_thread(lambda: deadletters.purge_tenant(state.settings.spool_dir, tenant,
+                                                                           _others(state.settings)))
         _after_forget(state, report, whole_tenant=True)
         return json_response({"forgotten": "tenant", "tenant": tenant, **report.counts(), "dead_letters": len(letters)})
 
@@ -274,15 +283,16 @@ def retention_once(state: AppState, actor: str = "system") -> list[forget.Forgot
     with state.factory() as s, s.begin():
         reports = forget.run_retention(s, policy_for=state.policies.policy_for, actor=actor,
                                        quiet_s=state.settings.session_ttl_s, origin=state.bus_id)
-        expire_dead_letters(s, state.settings.spool_dir, state.policies)
+        expire_dead_letters(s, state.settings, state.policies)
     for r in reports:
         _after_forget(state, r)
     return reports
 
 
-def expire_dead_letters(s: Session, spool_dir: Path, policies: Policies) -> int:
+def expire_dead_letters(s: Session, settings: Settings, policies: Policies) -> int:
     """Retention covers dead letters too: those past their tenant's retention go (logged by count)."""
-    gone = deadletters.purge_expired(spool_dir, lambda tenant: policies.policy_for(s, tenant).retention_days)
+    gone = deadletters.purge_expired(settings.spool_dir, lambda tenant: policies.policy_for(s, tenant).retention_days,
+                                     others=_others(settings))
     if gone:
         log.info("retention purged %d dead letters", len(gone))
     return len(gone)

@@ -22,6 +22,8 @@ from typing import Any
 
 import orjson
 
+from proxy.record.spool import adopted
+
 FOLDER = "rejected"
 
 
@@ -73,10 +75,6 @@ def folder(spool_dir: Path) -> Path:
     return spool_dir / FOLDER
 
 
-def spool_dirs(spool_dir: Path) -> list[Path]:
-    """A proxy's spool folder and, under it, those of `atdp serve --workers N`'s workers (`worker-K`):
-    what the command line reads and purges. A running proxy touches only its own."""
-    return [spool_dir, *sorted(p for p in spool_dir.glob("worker-*") if p.is_dir())]
 
 
 def read(spool_dir: Path) -> list[DeadLetter]:
@@ -118,8 +116,10 @@ def _rewrite(path: Path, keep: list[DeadLetter]) -> None:
     os.replace(tmp, path)
 
 
-def purge(spool_dir: Path, drop: Callable[[DeadLetter], bool]) -> list[DeadLetter]:
-    """Delete the dead letters `drop` selects; returns them."""
+def purge(spool_dir: Path, drop: Callable[[DeadLetter], bool], others: Iterable[Path] = ()) -> list[DeadLetter]:
+    """Delete the dead letters `drop` selects; returns them. `others`: spool folders of other processes
+    (proxy.record.spool.adoptable), each purged while no live process holds it (its holder purges its
+    own), held meanwhile: a replica scaled away leaves its dead letters to the ones that remain."""
     dropped: list[DeadLetter] = []
     for path in sorted(folder(spool_dir).glob("*.jsonl")):
         letters = _read_file(path)
@@ -127,20 +127,24 @@ def purge(spool_dir: Path, drop: Callable[[DeadLetter], bool]) -> list[DeadLette
         if gone:
             _rewrite(path, [d for d in letters if not drop(d)])
             dropped.extend(gone)
+    for other in others:
+        with adopted(other) as spool:
+            if spool is not None:
+                dropped += purge(other, drop)
     return dropped
 
 
-def purge_session(spool_dir: Path, session: str, tenant: str | None) -> list[DeadLetter]:
+def purge_session(spool_dir: Path, session: str, tenant: str | None, others: Iterable[Path] = ()) -> list[DeadLetter]:
     """Forget: a session's dead letters (by its public id; `tenant` None = any tenant)."""
-    return purge(spool_dir, lambda d: d.session == session and (tenant is None or d.tenant == tenant))
+    return purge(spool_dir, lambda d: d.session == session and (tenant is None or d.tenant == tenant), others)
 
 
-def purge_tenant(spool_dir: Path, tenant: str) -> list[DeadLetter]:
-    return purge(spool_dir, lambda d: d.tenant == tenant)
+def purge_tenant(spool_dir: Path, tenant: str, others: Iterable[Path] = ()) -> list[DeadLetter]:
+    return purge(spool_dir, lambda d: d.tenant == tenant, others)
 
 
 def purge_expired(spool_dir: Path, retention_days: Callable[[str], int | None],
-                  now: datetime | None = None) -> list[DeadLetter]:
+                  now: datetime | None = None, others: Iterable[Path] = ()) -> list[DeadLetter]:
     """Retention: a dead letter past its record's `retention_until`, or older than its tenant's
     `retention_days` now, goes (like the steps `forget.run_retention` deletes)."""
     now = now or datetime.now(UTC)
@@ -154,7 +158,7 @@ def purge_expired(spool_dir: Path, retention_days: Callable[[str], int | None],
         days = days_of[d.tenant]
         return bool(days) and d.started_at is not None and d.started_at < now - timedelta(days=days)
 
-    return purge(spool_dir, expired)
+    return purge(spool_dir, expired, others)
 
 
 @dataclass

@@ -72,6 +72,14 @@ def held(folder: Path) -> bool:
         return spool is None and (folder / ".owner").exists()
 
 
+def adoptable(folders: list[Path], own: Path) -> list[Path]:
+    """Of `folders` (proxy.config.spool_folders), those this process may take while no live process
+    holds them: every other one when it holds `own` itself (a process of `atdp serve`: claim_folder);
+    none otherwise, as an embedding that holds no folder (create_app alone) cannot tell a stopped
+    process's folder from that of a running one that holds none either."""
+    return [f for f in folders if f != own] if held(own) else []
+
+
 @contextlib.contextmanager
 def adopted(folder: Path, *, create: bool = True) -> Iterator[Spool | None]:
     """The spool in `folder`, held for the block as claim_folder holds one, if no live process holds

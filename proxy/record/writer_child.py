@@ -7,7 +7,6 @@ import gc
 import logging
 import os
 import signal
-from functools import partial
 from multiprocessing.connection import Connection
 
 from proxy import logs, memtrace
@@ -17,7 +16,7 @@ from proxy.governance.redaction import RedactionConfig, TextRedactor
 from proxy.governance.redaction_pool import RedactionPool
 from proxy.governance.tokens import TokenGuard, load_codec, token_policy
 from proxy.record.recorder import CacheSizes, Recorder
-from proxy.record.spool import Spool, held
+from proxy.record.spool import Spool, adoptable, held
 
 log = logging.getLogger("atdp.writer")
 
@@ -33,12 +32,11 @@ def build_recorder(settings: Settings, policies: Policies, *, redactor: TextReda
         redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=workers,
                                  inline_chars=200_000 if inline else 0)
     codec = load_codec(settings.tokenizer)
-    # A writer adopts other folders only where every spool folder is held by its live process: a
-    # process of `atdp serve` (claim_folder) holds this one. An embedding that holds none (create_app
-    # alone, in tests) might share a home with processes that hold none either.
+    # Other processes' spool folders, looked for at each look (replicas come and go); none unless
+    # this process holds its own (proxy.record.spool.adoptable).
     orphans = None
     if settings.spool_adopt_s > 0 and held(settings.spool_dir):
-        orphans = partial(spool_folders, settings.home)
+        orphans = lambda: adoptable(spool_folders(settings.home), settings.spool_dir)  # noqa: E731
     return Recorder(
         secret=settings.secret, factory=None, spool=Spool(settings.spool_dir), redactor=redactor,
         policy_for=lambda s, tenant: policies.policy_for(s, tenant) if s is not None else policies.base(tenant),

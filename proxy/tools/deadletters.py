@@ -16,10 +16,9 @@ from typing import Any
 
 
 def _spool_dirs():
-    from proxy.config import load_settings
-    from proxy.record import deadletters
+    from proxy.config import load_settings, spool_folders
 
-    return deadletters.spool_dirs(load_settings().spool_dir)
+    return spool_folders(load_settings().home)
 
 
 def _selected(args: argparse.Namespace):

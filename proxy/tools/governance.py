@@ -40,14 +40,14 @@ def _print(obj) -> None:
 
 
 def cmd_forget(args) -> int:
-    from proxy.config import load_settings
+    from proxy.config import load_settings, spool_folders
     from proxy.governance import forget
     from proxy.record import deadletters
 
     if not args.session and not args.tenant:
         print("atdp forget needs --session ID or --tenant T", file=sys.stderr)
         return 2
-    spool_dir = load_settings().spool_dir
+    home = load_settings().home
     engine, tx, _ = _transaction()
     try:
         with tx as s:
@@ -57,7 +57,7 @@ def cmd_forget(args) -> int:
                 except LookupError as e:
                     print(str(e), file=sys.stderr)
                     return 2
-                letters = [d for folder in deadletters.spool_dirs(spool_dir) for d in deadletters.purge_session(
+                letters = [d for folder in spool_folders(home) for d in deadletters.purge_session(
                     folder, args.session, report.tenant if report else args.tenant)]
                 if report is None and not letters:
                     print(f"no session {args.session!r}", file=sys.stderr)
@@ -70,7 +70,7 @@ def cmd_forget(args) -> int:
                         **(report.counts() if report else {}), "dead_letters": len(letters)})
             else:
                 report = forget.forget_tenant(s, args.tenant, actor="cli", reason=args.reason)
-                letters = [d for folder in deadletters.spool_dirs(spool_dir)
+                letters = [d for folder in spool_folders(home)
                            for d in deadletters.purge_tenant(folder, args.tenant)]
                 _print({"forgotten": "tenant", "tenant": args.tenant, **report.counts(), "dead_letters": len(letters)})
     finally:
@@ -79,18 +79,18 @@ def cmd_forget(args) -> int:
 
 
 def cmd_retention(args) -> int:
-    from proxy.config import load_settings
+    from proxy.config import load_settings, spool_folders
     from proxy.governance import forget
     from proxy.record import deadletters
 
     settings = load_settings()
-    spool_dir = settings.spool_dir
+    home = settings.home
     engine, tx, policies = _transaction()
     try:
         with tx as s:
             reports = forget.run_retention(s, policy_for=policies.policy_for, actor="cli",
                                            quiet_s=settings.session_ttl_s)
-            letters = [d for folder in deadletters.spool_dirs(spool_dir) for d in deadletters.purge_expired(
+            letters = [d for folder in spool_folders(home) for d in deadletters.purge_expired(
                 folder, lambda tenant: policies.policy_for(s, tenant).retention_days)]
         _print({"tenants": [{"tenant": r.tenant, **r.counts()} for r in reports], "dead_letters": len(letters)})
     finally:

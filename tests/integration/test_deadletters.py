@@ -24,8 +24,9 @@ import orjson
 import pytest
 from sqlalchemy import select
 
+from proxy.config import spool_folder
 from proxy.record import deadletters
-from proxy.record.spool import Spool
+from proxy.record.spool import Spool, claim_folder
 from proxy.store import tables as t
 from proxy.store.ids import new_id
 from proxy.store.write import SessionInfo, StepRecord
@@ -183,6 +184,29 @@ def test_forget_purges_a_sessions_and_a_tenants_dead_letters(start_proxy, fake_u
     with factory() as s:
         assert s.scalar(select(t.AuditEvent).where(t.AuditEvent.tenant_id == proxy.tenant,
                                                    t.AuditEvent.action == "forget.tenant")) is not None
+
+
+def test_a_forget_through_the_api_purges_the_dead_letters_a_stopped_replica_left(start_proxy, fake_upstream, tmp_path):
+    """`--scale proxy=3` then 2: the replica scaled away may have left dead letters in its folder. A forget
+    through a remaining proxy purges them (the folder held meanwhile); a live replica's folder is left to
+    that replica's own forget follower."""
+    home = tmp_path / "served"
+    _, own = claim_folder(lambda k: spool_folder(home, k), 0)  # as `atdp serve` holds its folder
+    holder = None
+    try:
+        proxy = start_proxy([fake_upstream.url], home=home)
+        for k in (1, 2):
+            Spool(spool_folder(home, k)).reject([refused_record(proxy.tenant, "dl-gone").to_json()],
+                                                reason="DataError: test")
+        _, holder = claim_folder(lambda k: spool_folder(home, k), 2)  # worker 2's replica is running
+        r = httpx.delete(proxy.url + "/atdp/v1/sessions/dl-gone")
+        assert r.status_code == 200 and r.json()["dead_letters"] == 1, r.text
+        assert deadletters.read(spool_folder(home, 1)) == []
+        assert [d.session for d in deadletters.read(spool_folder(home, 2))] == ["dl-gone"]
+    finally:
+        for fd in (own, holder):
+            if fd is not None:
+                os.close(fd)
 
 
 def test_retention_expires_dead_letters(start_proxy, fake_upstream):

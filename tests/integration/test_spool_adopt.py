@@ -158,7 +158,8 @@ def test_a_writer_that_holds_no_folder_adopts_none(redactor, factory, tenant, tm
     k, fd = claim_folder(lambda w: spool_folder(home, w), 0)
     try:
         claimed = build_recorder(settings, policies, redactor=redactor)
-        assert claimed.orphans is not None and claimed.orphans() == [spool_folder(home, 0)]
+        spool_folder(home, 1).mkdir(parents=True)
+        assert claimed.orphans is not None and claimed.orphans() == [spool_folder(home, 1)]  # not its own
         settings.spool_adopt_s = 0
         assert build_recorder(settings, policies, redactor=redactor).orphans is None
     finally:
