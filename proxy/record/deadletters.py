@@ -75,8 +75,6 @@ def folder(spool_dir: Path) -> Path:
     return spool_dir / FOLDER
 
 
-
-
 def read(spool_dir: Path) -> list[DeadLetter]:
     """Every dead letter, oldest file first. A torn line (a crash mid-write) is skipped."""
     out: list[DeadLetter] = []
