@@ -28,10 +28,12 @@ resets it at each run; it refuses a home it did not create.
 
 from __future__ import annotations
 
+import _thread
 import json
 import secrets
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,6 +336,7 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         }, indent=1) + "\n")
         status = 0
     except KeyboardInterrupt:
+        INTERRUPT_CAUGHT.set()
         board.close()
         board.note("interrupted: stopping every process the demo started")
         status = 130
@@ -414,12 +417,29 @@ def cmd_demo(args) -> int:
         heldout_tasks=args.heldout_tasks, start_timeout_s=args.start_timeout, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, vllm_python=args.vllm_python or settings.vllm_python,
     )
 
-    def terminate(signum, frame):  # SIGTERM cleans up like Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
+    INTERRUPT_CAUGHT.clear()
+    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM cleans up like Ctrl-C
+    signal.signal(signal.SIGINT, interrupt)  # even when started with SIGINT ignored
     return run_demo(cfg)
+
+
+INTERRUPT_CAUGHT = threading.Event()  # run_demo has caught a KeyboardInterrupt
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """Ctrl-C (or SIGTERM) as a KeyboardInterrupt in the main thread, raised again a second later until
+    run_demo has caught one. Python runs the handler at its next instruction; when that falls in an
+    at-fork hook (logging releases its lock after every fork: each subprocess the demo starts), CPython
+    reports the exception as unraisable and drops it, and the demo ran on to its end (seen in CI)."""
+    timer = threading.Timer(1.0, _again)
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
+def _again() -> None:
+    if not INTERRUPT_CAUGHT.is_set():
+        _thread.interrupt_main()  # the handler again; nothing when SIGINT is ignored (the clean-up)
 
 
 def register(sub) -> None:
