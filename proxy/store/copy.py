@@ -93,13 +93,13 @@ def binary_float4s(values: Sequence[float]) -> bytes:
     return _binary_words(array("i", floats.tobytes()), FLOAT4_OID)
 
 
-def binary_texts(values: Sequence[str], oid: int = VARCHAR_OID) -> bytes:
-    """A `varchar[]` (or `text[]`) in COPY's binary format."""
+def binary_texts(values: Sequence[str | None], oid: int = VARCHAR_OID) -> bytes:
+    """A `varchar[]` (or `text[]`) in PostgreSQL's binary format (COPY's, and a binary parameter's);
+    None is NULL."""
     if not values:
         return _EMPTY_ARRAY.pack(0, 0, oid)
-    encoded = [v.encode() for v in values]
-    return _ARRAY_HEAD.pack(1, 0, oid, len(encoded), 1) + b"".join(
-        len(b).to_bytes(4, "big") + b for b in encoded)
+    parts = [_NULL if v is None else len(b := v.encode()).to_bytes(4, "big") + b for v in values]
+    return _ARRAY_HEAD.pack(1, None in values, oid, len(parts), 1) + b"".join(parts)
 
 
 class TextArray(tuple[str | None, ...]):
@@ -113,10 +113,7 @@ class _TextArrayDumper(psycopg.adapt.Dumper):
     oid = TEXT_ARRAY_OID
 
     def dump(self, obj: TextArray) -> bytes:
-        if not obj:
-            return _EMPTY_ARRAY.pack(0, 0, TEXT_OID)
-        parts = [_NULL if v is None else len(b := v.encode()).to_bytes(4, "big") + b for v in obj]
-        return _ARRAY_HEAD.pack(1, None in obj, TEXT_OID, len(parts), 1) + b"".join(parts)
+        return binary_texts(obj, TEXT_OID)
 
 
 psycopg.adapters.register_dumper(TextArray, _TextArrayDumper)
