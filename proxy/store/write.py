@@ -249,10 +249,19 @@ ON CONFLICT ON CONSTRAINT uq_sessions_tenant_external DO UPDATE SET
    task_id = coalesce(sessions.task_id, excluded.task_id),
    client = coalesce(sessions.client, excluded.client)
 RETURNING id, tenant_id, external_id"""
-STORED_STEPS = ("SELECT id FROM steps WHERE session_id = ANY(CAST(:sids AS text[])) "
-                "AND id = ANY(CAST(:ids AS text[]))")
-LAST_SEQ = ("SELECT session_id, max(seq) FROM steps WHERE session_id = ANY(CAST(:sids AS text[])) "
-            "GROUP BY session_id")
+# Each lookup probes a key index once per step or session (a join over the batch's arrays), so its
+# cost does not grow with the sessions' length: read by session, a batch read every step its sessions
+# had (100-turn bench sessions: 3.2 and 2.9 ms of PostgreSQL per batch of 256, now 1.3 and 1.1). The
+# session bounds prune the plan to the batch's day partitions; `= ANY` of every session there would
+# be an index condition each probe walks (3 ms).
+STORED_STEPS = """
+SELECT s.id FROM unnest(CAST(:ids AS text[]), CAST(:step_sids AS text[])) AS v(id, sid)
+  JOIN steps s ON s.id = v.id AND s.session_id = v.sid
+ WHERE s.session_id = ANY(CAST(:sids AS text[]))"""
+LAST_SEQ = """
+SELECT v.sid, coalesce((SELECT max(seq) FROM steps
+                          WHERE session_id = v.sid AND session_id BETWEEN :lo AND :hi), 0)
+  FROM unnest(CAST(:sids AS text[])) AS v(sid)"""
 STEP_COLUMNS = (
     "id", "session_id", "tenant_id", "seq", "parent_step_id", "api", "status", "error", "upstream", "model",
     "model_version", "system_hash", "tools_hash", "history_len", "message_hashes", "transcript_hash", "params",
@@ -390,12 +399,13 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id, *,
     sid_array = text_array(sids)
     # Steps already stored (a re-sent batch): asked by session too, so only those sessions' partitions
     # are searched (by step id alone, every partition's key index would be).
-    existing = set(s.scalars(text(STORED_STEPS), {"sids": sid_array, "ids": text_array([r.id for r in kept])}))
+    existing = set(s.scalars(text(STORED_STEPS), {
+        "sids": sid_array, "ids": text_array([r.id for r in kept]),
+        "step_sids": text_array([sid_of[(r.session.tenant_id, r.session.external_id)] for r in kept])}))
     fresh = [r for r in kept if r.id not in existing]
     if not fresh:
         return 0
-    next_seq = dict.fromkeys(sids, 0)
-    next_seq.update(s.execute(text(LAST_SEQ), {"sids": sid_array}).all())
+    next_seq = dict(s.execute(text(LAST_SEQ), {"sids": sid_array, "lo": sids[0], "hi": sids[-1]}).all())
 
     step_rows, call_rows, links = [], {}, {}
     for r in fresh:

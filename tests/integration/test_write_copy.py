@@ -247,27 +247,39 @@ def test_the_writer_plans_each_batch_for_its_sessions(db_url, tenant):
 
 def test_the_writer_reads_by_key_in_a_table_without_statistics(db_url):
     """A day's partition has no statistics until autovacuum analyzes it, and without them a batch's
-    `session_id = ANY(256 sessions)` is estimated to match every row: the writer's connection reads by
-    its index anyway (a temporary table, which autovacuum never analyzes, stands for the new day)."""
-    from proxy.store.write import LAST_SEQ
+    `session_id = ANY(256 sessions)` is estimated to match every row. The writer's lookups of a
+    session's last seq and of steps already stored probe a key index once per session or step, on
+    either kind of connection: read by session, each batch read every step its sessions had, which
+    grew with their length (a temporary table, which autovacuum never analyzes, stands for the new
+    day; 500 sessions of 100 steps)."""
+    from proxy.store.copy import text_array
+    from proxy.store.write import LAST_SEQ, STORED_STEPS
 
-    lookup = LAST_SEQ.replace("FROM steps", "FROM fresh_day").replace("CAST(:sids AS text[])", "%(sids)s")
-    sids = [f"s{i}" for i in range(256)]
-    plans = {}
-    for name, custom in (("writer", True), ("other", False)):
+    known = [f"s{i:04d}" for i in range(0, 500, 2)]  # every other session, and two new ones
+    sids = [*known, "s9998", "s9999"]
+    ids = [f"{sid}-99" for sid in known[:128]] + [f"{sid}-new" for sid in known[128:]]
+    params = {"sids": text_array(sids), "lo": sids[0], "hi": sids[-1], "ids": text_array(ids),
+              "step_sids": text_array([i.split("-")[0] for i in ids])}
+    for custom in (True, False):
         engine = db.make_engine(db_url, pool_size=1, max_overflow=0, custom_plans=custom)
         try:
             with engine.connect() as c:
-                c.exec_driver_sql("CREATE TEMP TABLE fresh_day (session_id text, seq int, pad text, "
-                                  "UNIQUE (session_id, seq))")
-                c.exec_driver_sql("INSERT INTO fresh_day SELECT 's' || mod(g, 5000), g, repeat('x', 200) "
-                                  "FROM generate_series(1, 50000) g")
-                plans[name] = "\n".join(r[0] for r in c.exec_driver_sql("EXPLAIN " + lookup, {"sids": sids}))
-                assert c.exec_driver_sql(lookup, {"sids": sids}).all()[:1]  # the statement itself runs
+                c.exec_driver_sql("CREATE TEMP TABLE fresh_day (id text, session_id text, seq int, pad text, "
+                                  "PRIMARY KEY (id, session_id), UNIQUE (session_id, seq))")
+                c.exec_driver_sql("INSERT INTO fresh_day SELECT 's' || to_char(mod(g, 500), 'FM0000') || '-' || "
+                                  "(g / 500), 's' || to_char(mod(g, 500), 'FM0000'), g / 500, repeat('x', 200) "
+                                  "FROM generate_series(0, 49999) g")
+                for statement, index in ((LAST_SEQ, "fresh_day_session_id_seq_key"), (STORED_STEPS, "fresh_day_pkey")):
+                    sql = text(statement.replace("FROM steps", "FROM fresh_day").replace("JOIN steps", "JOIN fresh_day"))
+                    plan = "\n".join(r[0] for r in c.execute(text(f"EXPLAIN {sql.text}"), params))
+                    assert "Seq Scan" not in plan and index in plan, plan
+                    if statement is LAST_SEQ:
+                        last = dict(c.execute(sql, params).all())
+                        assert last == {sid: 0 if sid > "s9" else 99 for sid in sids}
+                    else:
+                        assert sorted(c.execute(sql, params).scalars()) == ids[:128]
         finally:
             engine.dispose()
-    assert "Seq Scan" in plans["other"], plans["other"]  # the estimate that made the writer scan
-    assert "Seq Scan" not in plans["writer"] and "fresh_day_session_id_seq_key" in plans["writer"], plans["writer"]
 
 
 def test_two_writers_on_the_same_sessions_number_every_step_once(db_url, tenant):
