@@ -282,6 +282,37 @@ def test_the_writer_reads_by_key_in_a_table_without_statistics(db_url):
             engine.dispose()
 
 
+def test_the_writers_tool_result_links_use_an_index_in_a_table_without_statistics(db_url):
+    """The tool-result links still read by `session_id = ANY(...)` (a bound per (session, call id)
+    would leave the plan to the statistics a new day lacks): on a table without them that estimate
+    is every row, and a connection set up as any other scans the table for each batch; the writer's
+    does not (`db._plan_each_execution`)."""
+    from proxy.store.copy import bool_array, text_array
+    from proxy.store.write import LINK_UPDATE
+
+    sids = [f"s{i:04d}" for i in range(0, 500, 2)]
+    params = {"sid": text_array(sids), "cid": text_array(["c1"] * len(sids)), "step": text_array(sids),
+              "hash": text_array(sids), "err": bool_array([False] * len(sids))}
+    plans = {}
+    for name, custom in (("writer", True), ("other", False)):
+        engine = db.make_engine(db_url, pool_size=1, max_overflow=0, custom_plans=custom)
+        try:
+            with engine.connect() as c:
+                c.exec_driver_sql("CREATE TEMP TABLE fresh_calls (session_id text, call_id text, step_id text, "
+                                  "result_step_id text, result_hash text, is_error boolean, pad text)")
+                c.exec_driver_sql("CREATE INDEX fresh_calls_session ON fresh_calls (session_id)")
+                c.exec_driver_sql("INSERT INTO fresh_calls SELECT 's' || to_char(mod(g, 500), 'FM0000'), "
+                                  "'c' || (g / 500), 'x', NULL, NULL, NULL, repeat('x', 200) "
+                                  "FROM generate_series(0, 49999) g")
+                sql = text(LINK_UPDATE.replace("UPDATE tool_calls tc", "UPDATE fresh_calls tc"))
+                plans[name] = "\n".join(r[0] for r in c.execute(text(f"EXPLAIN {sql.text}"), params))
+                assert c.execute(sql, params).rowcount == len(sids)  # the statement itself links each
+        finally:
+            engine.dispose()
+    assert "Seq Scan on fresh_calls" in plans["other"], plans["other"]  # the estimate the writer avoids
+    assert "Seq Scan on fresh_calls" not in plans["writer"] and "fresh_calls_session" in plans["writer"], plans["writer"]
+
+
 def test_two_writers_on_the_same_sessions_number_every_step_once(db_url, tenant):
     """Two writer connections write batches of the same sessions at once (proxies behind a load
     balancer, one session's calls on both): the sessions upsert holds each session's row until
