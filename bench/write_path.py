@@ -16,6 +16,7 @@ into the one database, released together: steps/s is the fleet's, the CPU figure
 
   python bench/write_path.py --database-url postgresql://postgres@127.0.0.1:5432/postgres \
       [--baseline main] [--sessions 200] [--turns 30] [--rounds 2] [--batch 256] [--writers 2]
+      [--statements]   # + PostgreSQL's CPU per statement of a batch (the backend's schedstat, Linux)
 """
 
 from __future__ import annotations
@@ -72,6 +73,33 @@ def backend_pids(engine) -> list[int]:
     return pids
 
 
+def backend_ns(pid: int) -> int:
+    """Nanoseconds a PostgreSQL backend has run on a CPU (`/proc/<pid>/schedstat`, finer than /stat's ticks)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def time_statements(engine, pids: list[int]) -> dict[str, list[int]]:
+    """statement (its first 60 characters) -> [backend CPU ns, executions], filled as `engine` runs
+    them. COPY does not pass through these events: it is in the rest of the backend's CPU."""
+    from sqlalchemy import event
+
+    spent: dict[str, list[int]] = {}
+    mark = [0]
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _before(conn, cursor, statement, params, context, many) -> None:
+        mark[0] = backend_ns(pids[-1])
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _after(conn, cursor, statement, params, context, many) -> None:
+        row = spent.setdefault(" ".join(statement.split())[:60], [0, 0])
+        row[0] += backend_ns(pids[-1]) - mark[0]
+        row[1] += 1
+
+    return spent
+
+
 def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int, writers: int = 1) -> dict:
     """Create a database, migrate it with this tree's migrations, write the steps, measure, drop it.
     With `writers` > 1, that many writer processes (one per proxy, as `atdp serve --workers N` runs
@@ -124,7 +152,25 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int, 
             "prepare_cpu_ms_per_step": round(1000 * prep / n, 3), "write_cpu_ms_per_step": round(1000 * (cpu - prep) / n, 3),
             "pg_cpu_ms_per_step": round(1000 * pg / n, 3),
             "cpu_bound_steps_per_s": round(n / (cpu + pg), 1) if cpu + pg else None,
-            "load_avg_1m": os.getloadavg()[0]}
+            "load_avg_1m": os.getloadavg()[0], **_statements(parts, n)}
+
+
+def _statements(parts: list[dict], n: int) -> dict:
+    """The writers' per-statement PostgreSQL CPU, summed: us per step and ms per execution, and the
+    rest of the backends' CPU (COPY, commit); {} unless measured."""
+    if not all("statements" in p for p in parts):
+        return {}
+    spent: dict[str, list[int]] = {}
+    for p in parts:
+        for statement, (ns, runs) in p["statements"].items():
+            row = spent.setdefault(statement, [0, 0])
+            row[0] += ns
+            row[1] += runs
+    total = sum(p["pg_ns"] for p in parts)
+    rows = {k: {"us_per_step": round(ns / n / 1e3, 1), "ms_per_execution": round(ns / runs / 1e6, 2), "executions": runs}
+            for k, (ns, runs) in sorted(spent.items(), key=lambda kv: -kv[1][0])}
+    rest = total - sum(ns for ns, _ in spent.values())
+    return {"statements": rows, "pg_other_us_per_step": round(rest / n / 1e3, 1)}
 
 
 def _writer(url: str, sessions: int, turns: int, batch: int, seed: int, k: int, writers: int, start, results) -> dict:
@@ -142,6 +188,7 @@ def _writer(url: str, sessions: int, turns: int, batch: int, seed: int, k: int, 
     except TypeError:
         engine = db.make_engine(url, pool_size=1, max_overflow=0)
     backends = backend_pids(engine)
+    spent = time_statements(engine, backends) if os.environ.get("ATDP_BENCH_STATEMENTS") else None
     steps = interleaved(random.Random(seed), tenant="bench", sessions=sessions, turns=turns)
     shard = {ext: i % writers for i, ext in enumerate(dict.fromkeys(st.session.external_id for st in steps))}
     steps = [st for st in steps if shard[st.session.external_id] == k]
@@ -159,6 +206,9 @@ def _writer(url: str, sessions: int, turns: int, batch: int, seed: int, k: int, 
         if start is not None:
             start.wait()
         pg0 = sum(proc_cpu(p) for p in backends)
+        ns0 = sum(backend_ns(p) for p in backends)
+        if spent is not None:
+            spent.clear()  # the warm-up batch above is not counted
         cpu0, t0 = time.process_time(), time.perf_counter()
         prep = 0.0
         for i in range(0, len(steps), batch):
@@ -176,9 +226,12 @@ def _writer(url: str, sessions: int, turns: int, batch: int, seed: int, k: int, 
                 rec._persist(records)
         t1, cpu = time.perf_counter(), time.process_time() - cpu0
         pg = sum(proc_cpu(p) for p in backends) - pg0
+        pg_ns = sum(backend_ns(p) for p in backends) - ns0
         rec.spool.close()
     engine.dispose()
     out = {"n": len(steps), "t0": t0, "t1": t1, "cpu": cpu, "prep": prep, "pg": pg, "spooled": rec.stats["spooled"]}
+    if spent is not None:
+        out.update(statements=spent, pg_ns=pg_ns)
     if results is not None:
         results.put(out)
     return out
@@ -225,6 +278,8 @@ def run_in(tree: Path, args: argparse.Namespace, seed: int) -> dict:
     if args.writers != 1:
         cmd += ["--writers", str(args.writers)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    if args.statements:  # an environment variable: a baseline tree without the option ignores it
+        env["ATDP_BENCH_STATEMENTS"] = "1"
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -240,6 +295,8 @@ def main() -> int:
     ap.add_argument("--writers", type=int, default=1,
                     help="writer processes, each with its share of the sessions (one per proxy process)")
     ap.add_argument("--baseline", help="a git ref to measure side by side (e.g. main)")
+    ap.add_argument("--statements", action="store_true",
+                    help="also PostgreSQL's CPU per statement of the writer's batch (Linux: /proc/<pid>/schedstat)")
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--redaction", action="store_true",
                     help="instead: the CPU per step of redacting the same steps' contents (one in-process Redactor)")
@@ -268,6 +325,17 @@ def main() -> int:
         for res in rows:
             print(f"{label:28} {res['steps_per_s']:>9} {res['writer_cpu_ms_per_step']:>15} "
                   f"{res['prepare_cpu_ms_per_step']:>7}+{res['write_cpu_ms_per_step']:<8} {res['pg_cpu_ms_per_step']:>11} {res['cpu_bound_steps_per_s']:>18} {res['load_avg_1m']:>6.1f}")
+    for label, rows in results.items():
+        measured = [res for res in rows if "statements" in res]
+        if not measured:
+            continue
+        print(f"\nPostgreSQL CPU per statement, {label} (us per step, ms per execution; each round):")
+        for statement in measured[0]["statements"]:
+            cells = [res["statements"].get(statement, {}) for res in measured]
+            print(f"  {' / '.join(str(c.get('us_per_step')) for c in cells):>16} us  "
+                  f"{' / '.join(str(c.get('ms_per_execution')) for c in cells):>14} ms  {statement}")
+        print(f"  {' / '.join(str(res['pg_other_us_per_step']) for res in measured):>16} us  {'':>14}     "
+              "the rest (COPY of steps and tool_calls, commit)")
     tmp.cleanup()
     return 0
 
