@@ -252,10 +252,9 @@ RETURNING id, tenant_id, external_id"""
 # Each lookup probes a key index once per step or session (a join over the batch's arrays), so its
 # cost does not grow with the sessions' length: read by session, a batch read every step its sessions
 # had (100-turn bench sessions: 4.1-4.5 and 3.6-3.7 ms of PostgreSQL per batch of 256, now 1.0-1.2
-# and 1.4-1.5: `bench/write_path.py --turns 100 --statements`). The
-# session bounds (internal ids sort alike in Python and PostgreSQL: proxy.store.partitions) prune the
-# plan to the batch's day partitions; `= ANY` of every session there would be an index condition each
-# probe walks (3 ms).
+# and 1.4-1.5: `bench/write_path.py --turns 100 --statements`). The session bounds (internal ids
+# sort alike in Python and PostgreSQL: proxy.store.partitions) prune the plan to the batch's day
+# partitions; `= ANY` of every session there would be an index condition each probe walks (3 ms).
 STORED_STEPS = """
 SELECT s.id FROM unnest(CAST(:ids AS text[]), CAST(:step_sids AS text[])) AS v(id, sid)
   JOIN steps s ON s.id = v.id AND s.session_id = v.sid
