@@ -17,6 +17,7 @@ into the one database, released together: steps/s is the fleet's, the CPU figure
   python bench/write_path.py --database-url postgresql://postgres@127.0.0.1:5432/postgres \
       [--baseline main] [--sessions 200] [--turns 30] [--rounds 2] [--batch 256] [--writers 2]
       [--statements]   # + PostgreSQL's CPU per statement of a batch (the backend's schedstat, Linux)
+  python bench/write_path.py --embedded ...   # the same on the embedded PostgreSQL 18
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int, 
     released together; the round's wall is the first start to the last end."""
     import multiprocessing as mp
 
-    from sqlalchemy import create_engine
+    from sqlalchemy import create_engine, make_url
 
     from proxy.store import db
 
@@ -115,7 +116,8 @@ def one_round(admin_url: str, sessions: int, turns: int, batch: int, seed: int, 
     admin = create_engine(db.sqlalchemy_url(admin_url), isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = db.sqlalchemy_url(admin_url).rsplit("/", 1)[0] + f"/{name}"
+    # The database swapped, the rest kept (the embedded server's URL names its socket in the query).
+    url = make_url(db.sqlalchemy_url(admin_url)).set(database=name).render_as_string(hide_password=False)
     try:
         db.upgrade(url)
         if writers == 1:
@@ -297,10 +299,18 @@ def main() -> int:
     ap.add_argument("--baseline", help="a git ref to measure side by side (e.g. main)")
     ap.add_argument("--statements", action="store_true",
                     help="also PostgreSQL's CPU per statement of the writer's batch (Linux: /proc/<pid>/schedstat)")
+    ap.add_argument("--embedded", action="store_true",
+                    help="on the embedded PostgreSQL (the README's default) instead of --database-url's server")
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--redaction", action="store_true",
                     help="instead: the CPU per step of redacting the same steps' contents (one in-process Redactor)")
     args = ap.parse_args()
+    if args.embedded and not args.single:
+        from proxy.store import db
+
+        home = Path(tempfile.mkdtemp(prefix="atdp-bench-"))
+        home.chmod(0o755)  # the embedded server runs as its own user when we are root
+        args.database_url = db.embedded_url(home)
     if not args.database_url and not args.redaction:
         ap.error("--database-url (or ATDP_TEST_DATABASE_URL): a PostgreSQL server where databases may be created")
     if args.redaction:

@@ -29,6 +29,16 @@ def pg_admin_url(tmp_path_factory) -> str:
     return _swap_db(db.embedded_url(outside_tmp("atdp-home")), "postgres")
 
 
+@pytest.fixture(scope="session")
+def every_server(pg_admin_url) -> list[str]:
+    """An admin URL of each PostgreSQL the suite reaches: the test server and the embedded one (the
+    README's path; PostgreSQL 18 against the machine's 15), for tests of what a planner chooses."""
+    urls = [pg_admin_url]
+    if os.environ.get("ATDP_TEST_DATABASE_URL"):
+        urls.append(_swap_db(db.embedded_url(outside_tmp("atdp-home")), "postgres"))
+    return urls
+
+
 def outside_tmp(prefix: str) -> Path:
     """A temporary folder outside pytest's basetemp, which pytest keeps at mode 0700 and which the
     embedded PostgreSQL (run by its own system user when we are root) could not traverse."""

@@ -249,16 +249,19 @@ ON CONFLICT ON CONSTRAINT uq_sessions_tenant_external DO UPDATE SET
    task_id = coalesce(sessions.task_id, excluded.task_id),
    client = coalesce(sessions.client, excluded.client)
 RETURNING id, tenant_id, external_id"""
-# Each lookup probes a key index once per step or session (a join over the batch's arrays), so its
-# cost does not grow with the sessions' length: read by session, a batch read every step its sessions
-# had (100-turn bench sessions: 4.1-4.5 and 3.6-3.7 ms of PostgreSQL per batch of 256, now 1.0-1.2
-# and 1.4-1.5: `bench/write_path.py --turns 100 --statements`). The session bounds (internal ids
-# sort alike in Python and PostgreSQL: proxy.store.partitions) prune the plan to the batch's day
-# partitions; `= ANY` of every session there would be an index condition each probe walks (3 ms).
+# Each lookup probes a key index once per step or session, so its cost does not grow with the
+# sessions' length (`bench/write_path.py --turns 100 --statements`). The probe is the plan's only
+# choice, whatever the server's version and statistics: a LATERAL subquery with LIMIT (or a scalar
+# one) is run once per outer row with that row's keys, never flattened into a join the planner may
+# hash over a scan of the partition (PostgreSQL 18 did that for `JOIN steps ... = ANY(...)` on a day
+# partition without statistics). A stored step is asked for by its id alone (ids are unique): with
+# `session_id = v.sid` beside it, PostgreSQL 15 probed the (session_id, seq) index and filtered every
+# step of the session. The session bounds (internal ids sort alike in Python and PostgreSQL:
+# proxy.store.partitions) prune the plan to the batch's day partitions.
 STORED_STEPS = """
-SELECT s.id FROM unnest(CAST(:ids AS text[]), CAST(:step_sids AS text[])) AS v(id, sid)
-  JOIN steps s ON s.id = v.id AND s.session_id = v.sid
- WHERE s.session_id = ANY(CAST(:sids AS text[]))"""
+SELECT v.id FROM unnest(CAST(:ids AS text[])) AS v(id)
+ CROSS JOIN LATERAL (SELECT 1 FROM steps s WHERE s.id = v.id AND s.session_id BETWEEN :lo AND :hi
+                      LIMIT 1) AS stored"""
 LAST_SEQ = """
 SELECT v.sid, coalesce((SELECT max(seq) FROM steps
                           WHERE session_id = v.sid AND session_id BETWEEN :lo AND :hi), 0)
@@ -398,11 +401,9 @@ def write_steps(s: Session, records: list[StepRecord], new_session_id, *,
     sids = sorted(sid_of.values())
     # One array parameter each, not a rendered IN list of the batch's sessions (a bind per session).
     sid_array = text_array(sids)
-    # Steps already stored (a re-sent batch): asked by session too, so only those sessions' partitions
-    # are searched (by step id alone, every partition's key index would be).
-    existing = set(s.scalars(text(STORED_STEPS), {
-        "sids": sid_array, "ids": text_array([r.id for r in kept]),
-        "step_sids": text_array([sid_of[(r.session.tenant_id, r.session.external_id)] for r in kept])}))
+    # Steps already stored (a re-sent batch): by id within the batch's session bounds, so only those
+    # sessions' partitions are searched (by step id alone, every partition's key index would be).
+    existing = set(s.scalars(text(STORED_STEPS), {"lo": sids[0], "hi": sids[-1], "ids": text_array([r.id for r in kept])}))
     fresh = [r for r in kept if r.id not in existing]
     if not fresh:
         return 0
