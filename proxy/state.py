@@ -28,6 +28,7 @@ from proxy.record.recorder import Recorder
 from proxy.record.writer_process import WriterProcess
 from proxy.sessions import ContinuationIndex
 from proxy.store.links import LinkStore
+from proxy.store.presence import Presence
 from proxy.tito import TokenMemory
 from proxy.upstream import ReplicaPool
 
@@ -57,6 +58,7 @@ class AppState:
     # (the Responses door's recent conversations) drop what links to forgotten sessions.
     forget_hooks: list[Callable[[str, set[str], bool], None]] = field(default_factory=list)
     links: LinkStore | None = None  # continuation keys in the database (proxy.store.links); set on connect
+    presence: Presence | None = None  # other proxies on the database turn `links` shared (proxy.store.presence)
     tokens: TokenMemory = field(default_factory=TokenMemory)  # served steps' ids, for token-in-token-out
     bus_id: str = ""  # this proxy's id on the notes channel (its own forget notes skip it); '' without one
 

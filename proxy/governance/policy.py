@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from atdp_schema.models import Eligibility, StepStatus
+from proxy.governance.ner import DEFAULT_NER_MODEL
 from proxy.governance.redaction import SECRET_ENTITIES, RedactionConfig
 from proxy.store.rewards import REWARD_COMBINE
 
@@ -59,10 +60,10 @@ class TenantPolicy:
     redaction_entities: tuple[str, ...] | None = None
     redaction_style: Literal["placeholder", "hash"] = "placeholder"
     redaction_allow_list: tuple[str, ...] = ()
-    # The control plane (docs/control-plane.md). Share of rewarded sessions held out of training as
-    # the replay gate's evaluation set; 0 (the default) keeps every session trainable, so gates stay
-    # off until the operator asks for a held-out set or adds a suite.
-    eval_holdout: float = 0.0
+    # The control plane (docs/control-plane.md). Share of sessions held out of training from the first
+    # one, as the replay gate's evaluation set (those rewarded are its cases), so gates have cases
+    # without an operator suite; 0 keeps every session trainable.
+    eval_holdout: float = 0.1
     # Replay gate: a candidate fails when a tenant's paired-difference 95% interval reaches below
     # -max_regression (score units, 0..1).
     max_regression: float = 0.05
@@ -135,7 +136,7 @@ class TenantPolicy:
             raise PolicyError("redaction_allow_list must be a list of strings")
         self.redaction_allow_list = tuple(self.redaction_allow_list)
 
-    def redaction_config(self, *, salt: bytes = b"", ner_model: str | None = None) -> RedactionConfig:
+    def redaction_config(self, *, salt: bytes = b"", ner_model: str | None = DEFAULT_NER_MODEL) -> RedactionConfig:
         return RedactionConfig(
             entities=self.redaction_entities,
             style=self.redaction_style,

@@ -11,9 +11,9 @@ the client is never touched. The design follows the cost model in the field note
   gate that says whether it can match at all, phonenumbers only sees short windows around digit runs,
   and context words are read from the text just before a match (Presidio's prefix window of five
   words, substring match) instead of from spaCy lemmas.
-- Offline: the default NLP pipeline is `spacy.blank("en")`; it yields no entities and no lemmas, so it
-  is not run at all. When `ner_model` names an installed spaCy pipeline (a package or a path) it is run
-  once per text and Presidio's `SpacyRecognizer` turns its entities into PERSON / LOCATION / ...
+- Offline: no spaCy pipeline runs for the pattern recognizers (they need no tokens or lemmas). Names
+  and places come from `ner_model`, an installed spaCy pipeline (by default the pinned small English
+  one), run by `proxy.governance.ner` on the lines where a name can be, never on operator content.
   The email recognizer's tldextract uses its bundled suffix list and never fetches.
 - `RedactionPool` (`proxy.governance.redaction_pool`) spreads distinct contents over worker processes; callers scan each distinct content
   once (the store is content-addressed) and off the request path (the writer).
@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import os
 import re
 import sys
 import threading
@@ -34,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from proxy.governance.ner import DEFAULT_NER_MODEL, NerModel, NerStatus, ner_status
 from proxy.governance.recognizers import recognizer_classes
 from proxy.governance.scan_gates import LiteralGate, key_matters, key_says_secret
 from proxy.governance.secrets import (
@@ -53,19 +53,19 @@ from proxy.governance.secrets import (
     kv_matches,
 )
 
-_LANGUAGE = "en"
-
 
 @dataclass(frozen=True)
 class RedactionConfig:
     """What to redact and how. `entities=None` means `DEFAULT_ENTITIES` (plus PERSON and LOCATION when
-    `ner_model` is set); name an `OPT_IN_ENTITIES` member explicitly to get it."""
+    the NER model loads); name an `OPT_IN_ENTITIES` member explicitly to get it. `ner_model`: an
+    installed spaCy pipeline (a package name or a path), by default the pinned small English one;
+    None or empty: no NER (names and places are then not found)."""
 
     entities: tuple[str, ...] | None = None
     style: Literal["placeholder", "hash"] = "placeholder"
     allow_list: tuple[str, ...] = ()
     salt: bytes = b""
-    ner_model: str | None = None
+    ner_model: str | None = DEFAULT_NER_MODEL
     score_threshold: float = 0.4
 
     def __post_init__(self) -> None:
@@ -137,9 +137,8 @@ class Redactor:
 
         email_cls, phone_cls, card_cls = recognizer_classes()
         cfg = self.config
-        self._nlp = None
-        self._nlp_engine = None
-        self._ner_recognizer = None
+        self._ner: NerModel | None = None
+        self.ner_status = NerStatus(None, False, "no NER model configured")
         if cfg.ner_model:
             self._load_ner(cfg.ner_model)
 
@@ -163,13 +162,13 @@ class Redactor:
             "MEDICAL_LICENSE": pr.MedicalLicenseRecognizer,
         }
         supported = set(presidio) | SECRET_ENTITIES
-        if self._ner_recognizer is not None:
+        if self._ner is not None:
             supported |= set(NER_ENTITIES)
         self.supported_entities: tuple[str, ...] = tuple(sorted(supported))
 
         if cfg.entities is None:
             wanted = list(DEFAULT_ENTITIES)
-            if self._ner_recognizer is not None:
+            if self._ner is not None:
                 wanted += DEFAULT_NER_ENTITIES
         else:
             unknown = sorted(set(cfg.entities) - supported - set(NER_ENTITIES))
@@ -195,18 +194,16 @@ class Redactor:
     def _load_ner(self, name: str) -> None:
         import logging
 
-        import spacy
-        from presidio_analyzer.nlp_engine import SpacyNlpEngine
-        from presidio_analyzer.predefined_recognizers import SpacyRecognizer
-
-        if not (spacy.util.is_package(name) or os.path.isdir(name)):
-            # Never download: fall back to the blank pipeline, which finds no names.
-            logging.getLogger(__name__).warning("spaCy model %r is not installed; NER disabled", name)
+        self.ner_status = ner_status(name)
+        if not self.ner_status.available:
+            # Never download: without the model no names are found, and the log says so.
+            logging.getLogger(__name__).warning("NER off: %s", self.ner_status.reason)
             return
-        engine = SpacyNlpEngine(models=[{"lang_code": _LANGUAGE, "model_name": name}])
-        engine.load()
-        self._nlp_engine = engine
-        self._ner_recognizer = SpacyRecognizer(supported_entities=list(NER_ENTITIES))
+        try:
+            self._ner = NerModel(name)
+        except Exception as exc:  # a model that is there but will not load: the same, said louder
+            self.ner_status = NerStatus(name, False, f"spaCy model {name!r} failed to load: {type(exc).__name__}: {exc}")
+            logging.getLogger(__name__).error("NER off: %s", self.ner_status.reason)
 
     # -- detection ---------------------------------------------------------------------------------
 
@@ -261,11 +258,8 @@ class Redactor:
                             end -= 1
                         found.append((start, end, entity, rule.score))
 
-        if self._ner_recognizer is not None and self._ner_entities:
-            artifacts = self._nlp_engine.process_text(text, _LANGUAGE)
-            for r in self._ner_recognizer.analyze(text, self._ner_entities, artifacts):
-                if r.score >= threshold:
-                    found.append((r.start, r.end, r.entity_type, r.score))
+        if self._ner is not None and self._ner_entities and not operator:
+            found += [f for f in self._ner.find(text, self._ner_entities) if f[3] >= threshold]
 
         if self._allow:
             found = [f for f in found if text[f[0] : f[1]].strip() not in self._allow]
@@ -474,15 +468,16 @@ class TextRedactor(Protocol):
 class LazyRedactor:
     """An in-process Redactor built on first use (Presidio takes a second to load)."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, ner_model: str | None = DEFAULT_NER_MODEL) -> None:
         self._secret = secret
+        self._ner_model = ner_model
         self._r: Redactor | None = None
         self._lock = threading.Lock()
 
     def get(self) -> Redactor:
         with self._lock:
             if self._r is None:
-                self._r = Redactor(RedactionConfig(salt=self._secret))
+                self._r = Redactor(RedactionConfig(salt=self._secret, ner_model=self._ner_model))
             return self._r
 
     def redact_value(self, value: Any, tenant: str, *, found: list[tuple[str, str]] | None = None,

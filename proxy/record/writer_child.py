@@ -29,7 +29,7 @@ def build_recorder(settings: Settings, policies: Policies, *, redactor: TextReda
     if redactor is None:
         # In its own process the writer may scan inline; extra workers only pay off beyond 2 cores.
         workers = settings.redaction_workers or max(1, (os.cpu_count() or 1) - 2)
-        redactor = RedactionPool(RedactionConfig(salt=settings.secret), max_workers=workers,
+        redactor = RedactionPool(RedactionConfig(salt=settings.secret, ner_model=settings.ner_model), max_workers=workers,
                                  inline_chars=200_000 if inline else 0)
     codec = load_codec(settings.tokenizer)
     # Other processes' spool folders, looked for at each look (replicas come and go); none unless

@@ -18,7 +18,7 @@ the spool). Until then the parent holds it:
   `capture.held_bytes`) or `queue_size` of them: `refusing()` has the doors answer new calls 503
   with retry-after (backpressure), until acknowledgements bring it under. Why not spool the excess
   here: nothing raw may reach disk, so spooling means redacting in this process, which loads a
-  second Presidio (part of the soak's +252% RSS, README "Soak") and takes the event loop's CPU
+  second Presidio (part of the soak's +252% RSS, docs/benchmarks.md "Soak") and takes the event loop's CPU
   exactly when the machine is short of it; a client told to retry keeps its request, nothing is lost.
 - calls admitted before the refusal began still finish and are held; only past twice either bound
   (a burst of long streams) is the overflow redacted here, on a side thread, and spooled as a

@@ -1,4 +1,5 @@
-"""`atdp export`: ATDP records out, as an ATDP JSON document, JSONL training samples or Parquet.
+"""`atdp export`: ATDP records out, as an ATDP JSON document, JSONL training samples, Parquet or ATIF
+trajectories (`proxy.tools.export_atif`).
 
 Everything streams: sessions are read in keyset-paginated batches and each is written and dropped
 before the next is read, so memory is bounded by the largest session, not by the export.
@@ -29,7 +30,7 @@ from proxy.store.read import session_document, version_model
 from proxy.store.rewards import combine_rewards
 from proxy.store.tokens import TRAINABLE_SOURCES, rebuild_prompt_ids, unrle
 
-FORMATS = ("atdp-json", "jsonl", "parquet")
+FORMATS = ("atdp-json", "jsonl", "parquet", "atif")
 
 
 @dataclass
@@ -145,6 +146,13 @@ def export(s: Session, f: ExportFilter, fmt: str, out: IO[bytes] | str, *, polic
     if fmt == "atdp-json":
         _export_document(s, f, out, batch_size, stats, policies)
         return stats
+    if fmt == "atif":
+        from proxy.tools.export_atif import write_atif
+
+        stats.sessions, stats.steps = write_atif(
+            s, iter_sessions(s, f, batch_size), out, eligible_only=f.eligible,
+            reward_combine_for=lambda tenant: policies.policy_for(s, tenant).reward_combine)
+        return stats
     seen: dict[str, TenantPolicy] = {}
     writer = None
     rows: list[dict] = []
@@ -222,7 +230,7 @@ def _when(value: str) -> datetime:
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="write ATDP records (JSON document, JSONL training samples, Parquet, "
-                                      "chat-format SFT JSONL)")
+                                      "ATIF trajectories, chat-format SFT JSONL)")
     p.add_argument("--for", dest="purpose", choices=("rl", "sft"), default="rl",
                    help="rl (default): ATDP records / engine-token samples; sft: chat-format JSONL for TRL's "
                    "SFTTrainer, one line per eligible assistant turn, provider steps included")
@@ -234,7 +242,8 @@ def register(sub) -> None:
                    help="only steps eligible for training, with engine or re-derived tokens")
     p.add_argument("--since", type=_when, help="sessions started at or after this ISO 8601 time")
     p.add_argument("--until", type=_when, help="sessions started before this ISO 8601 time")
-    p.add_argument("--format", choices=FORMATS, default="atdp-json")
+    p.add_argument("--format", choices=FORMATS, default="atdp-json",
+                   help="atdp-json (default), jsonl, parquet, or atif (Harbor's ATIF v1.4, one trajectory per line)")
     p.add_argument("--out", default="-", help="output file, or - for stdout (not for parquet)")
     p.set_defaults(func=cmd_export)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -139,3 +140,106 @@ def test_export_streams_in_batches(recorded, factory):
         # Nothing of earlier sessions is held: the identity map is emptied after each session.
         assert len(s.identity_map) == 0
     assert (stats.sessions, stats.steps) == (3, 5) and len(buf.getvalue().splitlines()) == 5
+
+
+# --- ATIF ------------------------------------------------------------------------------------------
+
+ATIF_SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "data" / "atif-v1.4.schema.json").read_text())
+
+
+def check_atif(traj: dict) -> None:
+    """The vendored ATIF v1.4 schema, and the RFC's cross-field rules Harbor's models check."""
+    jsonschema.Draft202012Validator(ATIF_SCHEMA, format_checker=jsonschema.FormatChecker()).validate(traj)
+    assert [st["step_id"] for st in traj["steps"]] == list(range(1, len(traj["steps"]) + 1))
+    for st in traj["steps"]:
+        if st["source"] != "agent":
+            assert not {"model_name", "reasoning_content", "tool_calls", "metrics"} & set(st)
+        calls = {c["tool_call_id"] for c in st.get("tool_calls", [])}
+        for r in st.get("observation", {}).get("results", []):
+            assert r.get("source_call_id") is None or r["source_call_id"] in calls
+
+
+def test_atif_trajectories_validate_and_carry_tokens(recorded, capsysbinary, fake_upstream):
+    proxy, (a, b, c), steps = recorded
+    lines = run_cli(capsysbinary, "--tenant", proxy.tenant, "--format", "atif").splitlines()
+    trajs = [json.loads(x) for x in lines]
+    assert [x["session_id"] for x in trajs] == [a, b, c]
+    for traj in trajs:
+        check_atif(traj)
+        assert traj["schema_version"] == "ATIF-v1.4"
+    ta = trajs[0]
+    assert [st["source"] for st in ta["steps"]] == ["system", "user", "agent", "user", "agent", "user", "agent"]
+    assert ta["steps"][0]["message"] == "You are a coding agent."
+    agents = [st for st in ta["steps"] if st["source"] == "agent"]
+    sent = [r for r in fake_upstream.requests if r["messages"][0]["content"] == "You are a coding agent."]
+    for st, record, request in zip(agents, steps, sent[:3], strict=True):
+        assert st["metrics"]["prompt_token_ids"] == list(render(request["messages"]))
+        assert st["metrics"]["completion_token_ids"] == record.output_token_ids
+        assert st["metrics"]["logprobs"] == pytest.approx(record.output_logprobs)
+        assert st["metrics"]["completion_tokens"] == len(record.output_token_ids)
+        assert st["extra"]["atdp"]["step_id"] == record.id and st["extra"]["atdp"]["model_version"] == record.model_version
+        assert st["extra"]["atdp"]["governance"]["eligibility"] == "eligible"
+    # Each tool result is the observation of the agent step whose call it answers.
+    (call,) = agents[0]["tool_calls"]
+    assert call["function_name"] == "read_file" and call["arguments"] == {"path": "f0.txt"}
+    assert agents[0]["observation"]["results"] == [{"source_call_id": call["tool_call_id"], "content": "the notes say hi"}]
+    assert agents[1]["observation"]["results"][0]["content"] == "2 passed"
+    assert [st["extra"]["atdp"]["reward"] for st in agents] == [None, -0.4, None]
+    assert ta["extra"]["atdp"]["reward"] == 0.8 and ta["extra"]["atdp"]["task_id"] == "fix-bug"
+    assert ta["final_metrics"]["total_completion_tokens"] == sum(len(s.output_token_ids) for s in steps)
+    # The failed step has no token ids: still an agent step, with its error as an extension.
+    failed = [st for st in trajs[2]["steps"] if st["source"] == "agent"][-1]
+    assert "completion_token_ids" not in failed["metrics"] and failed["extra"]["atdp"]["error"]["status_code"] == 400
+    # One session: one line, a valid ATIF file on its own; --eligible leaves out c (nothing trainable).
+    (one,) = run_cli(capsysbinary, "--session", b, "--tenant", proxy.tenant, "--format", "atif").splitlines()
+    check_atif(json.loads(one))
+    eligible = [json.loads(x) for x in run_cli(capsysbinary, "--tenant", proxy.tenant, "--format", "atif",
+                                                   "--eligible").splitlines()]
+    assert [x["session_id"] for x in eligible] == [a, b]
+
+
+def test_atif_exports_the_redacted_store(start_proxy, fake_upstream, factory, monkeypatch, db_url, capsysbinary):
+    monkeypatch.setenv("ATDP_DATABASE_URL", db_url)
+    proxy = start_proxy([fake_upstream.url])
+    sid = agent_session(proxy, tool_results=("customer maria.gonzalez@fastmail.com, card 4111 1111 1111 1111",))
+    proxy.flush()
+    out = run_cli(capsysbinary, "--session", sid, "--tenant", proxy.tenant, "--format", "atif").decode()
+    check_atif(json.loads(out))
+    assert "maria.gonzalez@fastmail.com" not in out and "4111 1111 1111 1111" not in out
+    assert "<EMAIL_ADDRESS" in out and "<CREDIT_CARD" in out
+
+
+def test_atif_mapping_of_other_message_shapes() -> None:
+    """Anthropic blocks and Responses items flatten to ATIF strings; unknown-call results stay unlinked."""
+    from datetime import UTC, datetime
+
+    from atdp_schema import models as m
+    from proxy.tools.export_atif import trajectory
+
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    step = m.Step(
+        id="st-1", session_id="s-1", seq=1, status="ok", model="fake",
+        observation=m.Observation(
+            api="messages", system=m.ContentRef(hash="h0", content=[{"type": "text", "text": "Be brief."}]),
+            history_len=0,
+            messages=[m.Message(hash="h1", role="developer", content="extra rules"),
+                      m.Message(hash="h2", role="user", content=[{"type": "text", "text": "hi"}, {"type": "image"}]),
+                      m.Message(hash="h3", role="user", content=[{"type": "tool_result", "tool_use_id": "toolu_x"}])],
+            tool_results=[m.ToolResult(tool_call_id="toolu_x", content=[{"type": "text", "text": "ok"}])]),
+        action=m.Action(text="", reasoning="think", tool_calls=[m.ToolCall(id="fc_1", name="run", arguments="not json")]),
+        tokens=m.TokenRecord(source="none"), timings=m.Timings(started_at=now), usage=m.Usage(cost=0.5),
+        governance=m.Governance(eligibility="audit_only"),
+    )
+    doc = m.Session(id="s-1", tenant="t", status="open", started_at=now, steps=[step])
+    traj = trajectory(doc)
+    check_atif(traj)
+    assert [(st["source"], st["message"]) for st in traj["steps"]] == [
+        ("system", "Be brief."), ("system", "extra rules"), ("user", 'hi\n{"type":"image"}'), ("system", ""),
+        ("agent", "")]
+    assert traj["steps"][3]["observation"] == {"results": [{"content": "ok"}]}  # its call is not in the export
+    agent = traj["steps"][4]
+    assert agent["tool_calls"][0]["arguments"] == {"_raw": "not json"} and agent["reasoning_content"] == "think"
+    assert agent["metrics"]["extra"] == {"atdp_cost": 0.5} and traj["agent"] == {
+        "name": "unknown", "version": "unknown", "model_name": "fake",
+        "extra": {"atdp": {"note": "the client's own version is not recorded by the proxy"}}}
+    assert traj["steps"][0]["timestamp"] == "2026-01-02T03:04:05Z"

@@ -105,6 +105,38 @@ def test_retry_on_the_other_proxy_is_a_sibling(start_proxy, fake_upstream, facto
     assert by_id[retry.headers["x-atdp-step-id"]].parent_step_id == parent
 
 
+def test_an_sdk_retry_on_the_other_proxy_joins_the_failed_attempt(start_proxy, fake_upstream, factory):
+    """A first attempt fails on one proxy; the SDK's retry (`x-stainless-retry-count: 1`) reaches the
+    other, whose memory never saw the request: one read of the shared keys finds the failed attempt's
+    session. The same request again without the signal, its attempt answered, is a new run."""
+    a, b = two_proxies(start_proxy, fake_upstream)
+    msgs = [{"role": "system", "content": "retrying agent"}, {"role": "user", "content": "hi"}]
+    fake_upstream.script = [{"status": 500}]
+    with pytest.raises(openai.APIStatusError) as failed:
+        sdk(a).chat.completions.create(model="fake", messages=msgs)
+    session = failed.value.response.headers["x-atdp-session-id"]
+    deadline = time.monotonic() + 5.0
+    while not _published(factory, session):  # the failed call's keys are committed without waiting
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert b.state.links is not None
+    retry = sdk(b).chat.completions.with_raw_response.create(model="fake", messages=msgs,
+                                                              extra_headers={"x-stainless-retry-count": "1"})
+    assert retry.headers["x-atdp-session-id"] == session and b.state.links.lookups == 1
+    again = sdk(b).chat.completions.with_raw_response.create(model="fake", messages=msgs)
+    assert again.headers["x-atdp-session-id"] != session
+    a.flush()
+    b.flush()
+    steps = sessions_of(factory, a.tenant)[session]
+    assert [(s.status, s.parent_step_id) for s in steps] == [("error", None), ("ok", None)]
+
+
+def _published(factory, session: str) -> bool:
+    with factory() as s:
+        return bool(s.scalar(select(func.count()).select_from(t.ContinuationLink)
+                             .where(t.ContinuationLink.session_id == session, t.ContinuationLink.kind == "i")))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_chain_across_proxies(start_proxy, fake_upstream, factory, stream):
     """`previous_response_id` served by the other proxy: its sealed conversation is read from the
@@ -193,7 +225,7 @@ def test_a_call_memory_links_costs_no_read(start_proxy, fake_upstream):
         text = client.chat.completions.create(model="fake", messages=msgs).choices[0].message.content
         msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"t{turn + 1}"}]
     assert a.state.links.lookups == 0
-    for _ in range(3):  # the same first input again: a sibling, known from memory
+    for _ in range(3):  # the same first input again: new runs (no retry signal), nothing to read
         client.chat.completions.create(model="fake", messages=msgs[:2])
     assert a.state.links.lookups == 0
     # A history this proxy never saw (another proxy's conversation, or the client's own): one read.
