@@ -27,14 +27,17 @@ from proxy.errors import ApiError
 from proxy.providers import ProviderResponse, ProviderRoute
 from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras, shared
 from proxy.sessions import (
+    IDEMPOTENCY_HEADER,
     Continuation,
     SessionRef,
     StepLink,
     body_hash,
     is_output,
+    link_seed,
     match_key,
     prefix_hashes,
     resolve,
+    retry_signal,
     unknown_keys,
 )
 from proxy.state import AppState
@@ -68,8 +71,9 @@ class Call:
     step_id: str
     session: SessionRef
     continuation: Continuation
+    seed: str  # what its continuation keys are seeded with (sessions.link_seed)
     hashes: list[str]
-    body_hash: str  # the request body's fingerprint: a later identical call is a retry (sessions.py)
+    body_hash: str  # the request's fingerprint: a later identical call may be a retry (sessions.py)
     native_messages: list[Any]
     system: Any
     tools: Any
@@ -95,6 +99,16 @@ class Call:
     prompt_path: str | None = None  # "tito" | "rendered" once an engine took the call (proxy.tito)
 
     @property
+    def link(self) -> StepLink:
+        return StepLink(step_id=self.step_id, session_id=self.session.external_id)
+
+    @property
+    def parent_step(self) -> StepLink | None:
+        """The step this call continues; None for a session's first step (and its retries)."""
+        parent = self.continuation.parent
+        return parent if parent is not None and parent.step_id else None
+
+    @property
     def new_messages(self) -> list[Any]:
         return self.native_messages[self.continuation.history_len :]
 
@@ -118,27 +132,32 @@ async def begin(state: AppState, request: Request, principal: Principal, *, api:
     """Resolve the session and parent step of a call: in memory, or (when this proxy's memory does
     not know the parent) with one read of the database's keys (proxy.store.links)."""
     t0 = time.perf_counter()
-    keys = [match_key(m) for m in messages]
-    hashes = prefix_hashes(principal.tenant, keys)
-    fingerprint = body_hash(principal.tenant, raw_body)
     headers = header_map(request.scope)
+    seed = link_seed(principal.tenant, principal.actor, body)
+    hashes = prefix_hashes(seed, [match_key(m) for m in messages])
+    fingerprint = body_hash(seed, raw_body, headers.get(IDEMPOTENCY_HEADER, ""))
+    retry = retry_signal(headers)
     session, cont = resolve(tenant=principal.tenant, headers=headers, path_session=path_session, body=body,
-                            hashes=hashes, index=state.index, fingerprint=fingerprint)
+                            hashes=hashes, index=state.index, fingerprint=fingerprint, retry=retry)
     links = state.links
-    if links is not None and (wanted := unknown_keys(cont, session, hashes, messages, inputs=links.shared)):
+    if links is not None and (wanted := unknown_keys(cont, session, hashes, messages, inputs=links.shared,
+                                                     retry_key=fingerprint if retry else None)):
         rows = await links.lookup(wanted, principal.tenant)
         if rows:
             state.index.learn(rows)
             session, cont = resolve(tenant=principal.tenant, headers=headers, path_session=path_session,
-                                    body=body, hashes=hashes, index=state.index, fingerprint=fingerprint)
+                                    body=body, hashes=hashes, index=state.index, fingerprint=fingerprint, retry=retry)
     new = messages[cont.history_len :]
-    return Call(
-        state=state, principal=principal, api=api, step_id=new_id(), session=session, continuation=cont,
+    call = Call(
+        state=state, principal=principal, api=api, step_id=new_id(), session=session, continuation=cont, seed=seed,
         hashes=hashes, body_hash=fingerprint, native_messages=messages, system=system, tools=tools,
         tool_results=tool_results_of(new) if tool_results_of else [], params=params or {},
         model=body.get("model"), client_info=_client_info(headers), started_at=datetime.now(UTC),
         t0=t0, start_ns=time.time_ns(),
     )
+    # Running: a retry the client sends before this call ends (it timed out) joins its session.
+    state.index.begin_input(fingerprint, call.link, call.parent_step, cont.history_len)
+    return call
 
 
 def _client_info(headers: Mapping[str, str]) -> dict[str, Any]:
@@ -289,28 +308,27 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
     _note_window(call)  # a stream is recorded before its replica slot is freed
     cap = call.capture
     total_s = time.perf_counter() - call.t0
-    link = StepLink(step_id=call.step_id, session_id=call.session.external_id)
+    link = call.link
+    parent_step = call.parent_step
     transcript_hash = None
+    # What a retry of this request joins (sessions.py): answered, or not (an error, a cut-off stream).
+    call.state.index.end_input(call.body_hash, link, parent_step, call.continuation.history_len,
+                               delivered=status == "ok")
+    rows = [LinkRow(call.body_hash, "i", call.step_id, link.session_id,
+                    parent_step.step_id if parent_step else None, call.continuation.history_len)]
     if status == "ok":
         # The client's next call will start with these messages + what we answered.
         units = output_units if output_units is not None else [cap.assistant_message()]
-        extended = prefix_hashes(call.principal.tenant, [match_key(m) for m in units],
+        extended = prefix_hashes(call.seed, [match_key(m) for m in units],
                                  start=call.hashes[-1] if call.hashes else None)
         transcript_hash = extended[-1] if extended else None
-        parent = call.continuation.parent
-        parent = parent if parent and parent.step_id else None
-        rows = []
         if transcript_hash:
             call.state.index.add(transcript_hash, link)
             rows.append(LinkRow(transcript_hash, "t", call.step_id, link.session_id))
-        if call.hashes:
-            call.state.index.add_input(call.hashes[-1], link, parent, call.continuation.history_len, call.body_hash)
-            rows.append(LinkRow(call.hashes[-1], "i", call.step_id, link.session_id,
-                                parent.step_id if parent else None, call.continuation.history_len))
-        if rows and call.state.links is not None and call.state.links.shared:
-            call.published = call.state.links.publish(rows)
         if call.provider is None:  # a later turn may continue from these exact ids (proxy.tito)
             call.state.tokens.put(call.step_id, cap.prompt_token_ids, cap.output_token_ids)
+    if call.state.links is not None:  # published while shared, else kept a while (proxy.store.links)
+        call.published = call.state.links.offer(rows)
     usage = cap.usage or {}
     prompt_tokens = usage.get("prompt_tokens") or len(cap.prompt_token_ids)
     completion_tokens = usage.get("completion_tokens") or len(cap.output_token_ids)

@@ -6,13 +6,21 @@ Order: `X-ATDP-Session-Id`; the `/s/{id}/v1/...` path; client-native ids (Claude
 start with an earlier step's input + output joins that step's session as its child.
 
 Continuation uses rolling hashes of normalised messages ("match keys"), so finding the parent is
-O(messages) dict lookups in memory. Several proxies on one database share the keys through
-`continuation_links` (proxy.store.links): a call whose parent this proxy's memory does not know is
-looked up there once (`ContinuationIndex.learn`), and a call the memory links costs no query. A call whose input
-equals an earlier call's is linked to it (a sibling: a retry, or a parallel sample) only when the
-whole request body is identical and the earlier call ended within the retry window (30 s by
-default): two independent runs that open with the same system prompt and first message are two
-sessions.
+O(messages) dict lookups in memory. The hashes are seeded by the tenant, the API key and the end
+user the call names (`link_seed`): calls of different keys or end users never link. Several proxies
+on one database share the keys through `continuation_links` (proxy.store.links): a call whose parent
+this proxy's memory does not know is looked up there once (`ContinuationIndex.learn`), and a call the
+memory links costs no query.
+
+A call with no parent that repeats an earlier call's request (same body, same key: `body_hash`) is a
+*retry* of it, and joins its session as a sibling (same parent), only when
+- the earlier call delivered no answer (it failed, or the client cut its stream off) and ended
+  within the retry window (`ATDP_RETRY_WINDOW_S`, 30 s), or
+- the client says it is a retry (`retry_signal`: `x-stainless-retry-count` above 0, as the OpenAI
+  and Anthropic SDKs send on their retries, or an `Idempotency-Key`, which the fingerprint includes)
+  and the earlier call is still running, or ended within the window.
+Otherwise it is a new run: independent runs often open with the same words, and parallel samples
+share a session only when the client names one.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import orjson
@@ -106,6 +115,33 @@ def explicit_session(headers: Mapping[str, str], path_session: str | None, body:
     return None
 
 
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+def retry_signal(headers: Mapping[str, str]) -> bool:
+    """Whether the client says the call is a retry of an earlier one: its SDK's retry counter
+    (`x-stainless-retry-count`, "0" on a first attempt) or an idempotency key (the same key again
+    means the same request; `body_hash` includes it)."""
+    if headers.get(IDEMPOTENCY_HEADER):
+        return True
+    count = headers.get("x-stainless-retry-count", "").strip()
+    return count.isdigit() and int(count) > 0
+
+
+def end_user(body: dict[str, Any]) -> str:
+    """The end user a call names: OpenAI `user` (or its successor `safety_identifier`), Anthropic
+    `metadata.user_id`; "" when none."""
+    meta = body.get("metadata")
+    named = [body.get("user"), body.get("safety_identifier"), meta.get("user_id") if isinstance(meta, dict) else None]
+    return "\x00".join(v for v in named if isinstance(v, str) and v)
+
+
+def link_seed(tenant: str, caller: str, body: dict[str, Any]) -> str:
+    """What a call's continuation keys and fingerprint are seeded with: its tenant, its API key
+    (`Principal.actor`) and its end user. Calls that differ in any of them never link."""
+    return f"{tenant}\x00{caller}\x00{end_user(body)}"
+
+
 # --- match keys: what must be equal for a message to count as "the same" --------------------------
 
 _COSMETIC = frozenset({"cache_control", "citations", "annotations", "logprobs", "id", "status"})
@@ -173,11 +209,11 @@ def match_key(message: dict[str, Any]) -> bytes:
     return orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
 
 
-def prefix_hashes(tenant: str, keys: list[bytes], start: str | None = None) -> list[str]:
-    """h[i] = rolling hash of keys[:i+1], seeded by the tenant (tenants never link to each other);
-    `start` continues an earlier sequence's last hash."""
+def prefix_hashes(seed: str, keys: list[bytes], start: str | None = None) -> list[str]:
+    """h[i] = rolling hash of keys[:i+1], seeded by `seed` (a tenant, or `link_seed`: calls of other
+    seeds never link); `start` continues an earlier sequence's last hash."""
     sha = hashlib.sha256
-    h = start or sha(tenant.encode()).hexdigest()
+    h = start or sha(seed.encode()).hexdigest()
     out: list[str] = []
     append = out.append
     for k in keys:  # chain_hash(h, sha256(k)), inline: two hashes per message of every call's history
@@ -223,25 +259,41 @@ def _unpack(v: bytes) -> tuple[float, StepLink | None]:
 _WHEN = struct.Struct("d")
 
 
-class ContinuationIndex:
-    """Recent steps by the hash of (their input + their output), bounded by count and age.
+class Outcome(IntEnum):
+    """What became of a call a later identical request may retry (`ContinuationIndex` inputs)."""
 
-    Compact (16-byte keys, packed values): the map is the largest thing a proxy keeps. Inputs serve
-    only retries, so they are kept for the retry window alone."""
+    running = 0  # not answered yet (a client that timed out may retry it)
+    delivered = 1  # answered
+    failed = 2  # no answer delivered: an error, or a stream the client cut off
+    learned = 3  # another proxy's (proxy.store.links), which does not say: taken as delivered
+
+
+# A request a later one may retry: (_pack(when it began or ended, the call), _pack(0, its parent),
+# its history length, its Outcome).
+_Input = tuple[bytes, bytes, int, int]
+
+
+class ContinuationIndex:
+    """Recent steps by the hash of (their input + their output), bounded by count and age; and the
+    requests a retry may repeat, by their fingerprint (`body_hash`).
+
+    Compact (16-byte keys, packed values): the map is the largest thing a proxy keeps. Requests serve
+    only retries, so ended ones are kept for the retry window alone; running ones until they end."""
 
     def __init__(self, max_entries: int = 50_000, ttl_s: float = 24 * 3600.0, retry_window_s: float = 30.0) -> None:
         self._by_transcript: OrderedDict[bytes, bytes] = OrderedDict()  # key -> _pack(when, link)
-        # input key -> (when it ended, the call, its parent, history length, its body's 16-byte hash)
-        self._by_input: OrderedDict[bytes, tuple[bytes, bytes, int, bytes]] = OrderedDict()
+        self._running: OrderedDict[bytes, _Input] = OrderedDict()  # fingerprint -> the latest such call running
+        self._by_input: OrderedDict[bytes, _Input] = OrderedDict()  # fingerprint -> the latest such call ended
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self.retry_window_s = retry_window_s
 
     def __len__(self) -> int:
-        return len(self._by_transcript) + len(self._by_input)
+        return len(self._by_transcript) + len(self._running) + len(self._by_input)
 
     def sizes(self) -> dict[str, int]:
-        return {"continuations": len(self._by_transcript), "retry_inputs": len(self._by_input)}
+        return {"continuations": len(self._by_transcript), "retry_inputs": len(self._by_input),
+                "running_inputs": len(self._running)}
 
     def _trim(self, d: OrderedDict, max_age: float) -> None:
         oldest = time.monotonic() - max_age
@@ -254,11 +306,26 @@ class ContinuationIndex:
         self._by_transcript.move_to_end(key)
         self._trim(self._by_transcript, self.ttl_s)
 
-    def add_input(self, input_hash: str, link: StepLink, parent: StepLink | None, history_len: int,
-                  body_hash: str = "") -> None:
-        key = _digest(input_hash)
-        self._by_input[key] = (_pack(time.monotonic(), link), _pack(0.0, parent), history_len,
-                               _digest(body_hash) if body_hash else b"")
+    def begin_input(self, fingerprint: str, link: StepLink, parent: StepLink | None, history_len: int) -> None:
+        """A call began: a retry the client sends while it runs (it timed out) may join it. Bounded
+        by count and the session window, for a call that never ends (its task cancelled)."""
+        key = _digest(fingerprint)
+        self._running[key] = (_pack(time.monotonic(), link), _pack(0.0, parent), history_len, Outcome.running)
+        self._running.move_to_end(key)
+        self._trim(self._running, self.ttl_s)
+
+    def end_input(self, fingerprint: str, link: StepLink, parent: StepLink | None, history_len: int,
+                  delivered: bool) -> None:
+        """A call ended, answered (`delivered`) or not; kept for the retry window."""
+        key = _digest(fingerprint)
+        running = self._running.get(key)
+        if running is not None and _link(running[0]).step_id == link.step_id:
+            del self._running[key]
+        outcome = Outcome.delivered if delivered else Outcome.failed
+        self._put_input(key, (_pack(time.monotonic(), link), _pack(0.0, parent), history_len, outcome))
+
+    def _put_input(self, key: bytes, entry: _Input) -> None:
+        self._by_input[key] = entry
         self._by_input.move_to_end(key)
         self._trim(self._by_input, min(self.ttl_s, self.retry_window_s))
 
@@ -268,24 +335,30 @@ class ContinuationIndex:
         for key in [k for k, v in self._by_transcript.items() if _link(v).step_id in step_ids]:
             del self._by_transcript[key]
             n += 1
-        for key in [k for k, (v, p, _, _) in self._by_input.items()
-                    if _link(v).step_id in step_ids or ((pl := _unpack(p)[1]) is not None and pl.step_id in step_ids)]:
-            del self._by_input[key]
-            n += 1
+        for d in (self._running, self._by_input):
+            for key in [k for k, (v, p, _, _) in d.items()
+                        if _link(v).step_id in step_ids or ((pl := _unpack(p)[1]) is not None and pl.step_id in step_ids)]:
+                del d[key]
+                n += 1
         return n
 
     def learn(self, rows: list[LinkRow]) -> None:
         """Keys another proxy published (proxy.store.links); what this memory already holds wins."""
+        now = time.monotonic()
         for r in rows:
             link = StepLink(step_id=r.step_id, session_id=r.session_id)
-            if r.kind == "t" and _digest(r.hash) not in self._by_transcript:
+            key = _digest(r.hash)
+            if r.kind == "t" and key not in self._by_transcript:
                 self.add(r.hash, link)
-            elif r.kind == "i" and _digest(r.hash) not in self._by_input:
+            elif r.kind == "i" and key not in self._by_input and key not in self._running:
                 parent = StepLink(step_id=r.parent_step_id, session_id=r.session_id) if r.parent_step_id else None
-                self.add_input(r.hash, link, parent, r.history_len)
+                # Dated when the other proxy's call ended: the retry window counts from then.
+                self._put_input(key, (_pack(now - r.age_s, link), _pack(0.0, parent), r.history_len, Outcome.learned))
 
-    def find(self, hashes: list[str], session_id: str | None, body_hash: str = "") -> Continuation:
-        """The longest earlier transcript that is a strict prefix of this call's messages."""
+    def find(self, hashes: list[str], session_id: str | None, fingerprint: str = "", retry: bool = False
+             ) -> Continuation:
+        """The longest earlier transcript that is a strict prefix of this call's messages; else, for
+        a retry of an earlier request (module docstring), that request's parent and session."""
         now = time.monotonic()
         for i in range(len(hashes) - 2, -1, -1):
             hit = self._by_transcript.get(_digest(hashes[i]))
@@ -294,18 +367,20 @@ class ContinuationIndex:
             when, link = _unpack(hit)
             if link is not None and when >= now - self.ttl_s and (session_id is None or link.session_id == session_id):
                 return Continuation(parent=link, history_len=i + 1)
-        if hashes and body_hash:
-            # The same request again soon after (a retry, or a parallel sample): a sibling of that
-            # step. Same input alone is not enough: independent runs often open identically.
-            hit2 = self._by_input.get(_digest(hashes[-1]))
-            if hit2 is not None and hit2[3] == _digest(body_hash):
-                when, link = _unpack(hit2[0])
-                parent = _unpack(hit2[1])[1]
-                if (link is not None and when >= now - self.retry_window_s
-                        and (session_id is None or link.session_id == session_id)):
-                    if parent is not None:
-                        return Continuation(parent=parent, history_len=hit2[2])
-                    return Continuation(parent=StepLink(step_id="", session_id=link.session_id), history_len=0)
+        if fingerprint:
+            key = _digest(fingerprint)
+            for entry in (self._running.get(key), self._by_input.get(key)):
+                if entry is None or not (retry or entry[3] == Outcome.failed):
+                    continue  # an answered request again, unasked: a new run
+                when, link = _unpack(entry[0])
+                if link is None or (entry[3] != Outcome.running and when < now - self.retry_window_s):
+                    continue
+                if session_id is not None and link.session_id != session_id:
+                    continue
+                parent = _unpack(entry[1])[1]
+                if parent is not None:
+                    return Continuation(parent=parent, history_len=entry[2])
+                return Continuation(parent=StepLink(step_id="", session_id=link.session_id), history_len=0)
         return Continuation(parent=None, history_len=0)
 
 
@@ -320,21 +395,18 @@ def _link(v: bytes) -> StepLink:
 
 
 def unknown_keys(cont: Continuation, session: SessionRef, hashes: list[str], messages: list[Any], *,
-                  inputs: bool = True) -> list[str]:
+                 inputs: bool = True, retry_key: str | None = None) -> list[str]:
     """The keys to ask the database for; [] when memory already has the answer.
 
-    Nothing known: when the history holds a model output (a first call costs no read), every key
-    where the database holds inputs too (`inputs`: the shared keys, whose input keys find a retry
-    another proxy served), else the keys that end with a model output (a stored step's transcript
-    always does). A parent known: only when a model output comes after it in the history, i.e. a
-    later turn this proxy did not serve may be the real parent; a client's usual next call
-    (outputs, then its tool results or a user turn) costs no query."""
+    Nothing known: the keys that end with a model output (a stored step's transcript always does;
+    a first call costs no read), and `retry_key` (a retry's fingerprint: the request it repeats
+    may have run on another proxy) where the database holds requests too (`inputs`: the shared
+    keys). A parent known: only when a model output comes after it in the history, i.e. a later
+    turn this proxy did not serve may be the real parent; a client's usual next call (outputs,
+    then its tool results or a user turn) costs no query."""
     if cont.parent is None and session.source != "continuation":  # (a sibling of a first step: known)
-        # Every stored transcript ends with a model output: a call with none in its history can
-        # only be a retry of a first call, which is not worth a read on every first call.
-        if not any(is_output(m) for m in messages[:-1]):
-            return []
-        return hashes if inputs else [hashes[j] for j in range(len(hashes) - 1) if is_output(messages[j])]
+        wanted = [retry_key] if inputs and retry_key else []
+        return wanted + [hashes[j] for j in range(len(hashes) - 1) if is_output(messages[j])]
     return [hashes[j] for j in range(cont.history_len, len(hashes) - 1) if is_output(messages[j])]
 
 
@@ -343,11 +415,13 @@ def is_output(message: Any) -> bool:
                                           or message.get("type") in ("function_call", "reasoning"))
 
 
-def body_hash(tenant: str, raw_body: bytes) -> str:
-    """A request body's fingerprint (per tenant), for telling a retry from a new run: a retry re-sends
-    the same bytes. Of the bytes as sent, not re-serialised (an agent's body is tens of KB); it lives
-    in one proxy's memory only (`ContinuationIndex`), so no stored key changes with it."""
-    h = hashlib.sha256(tenant.encode())
+def body_hash(seed: str, raw_body: bytes, idempotency_key: str = "") -> str:
+    """A request's fingerprint, for telling a retry from a new run: a retry re-sends the same bytes
+    with the same key (`seed`: `link_seed`) and idempotency key. Of the bytes as sent, not
+    re-serialised (an agent's body is tens of KB)."""
+    h = hashlib.sha256(seed.encode())
+    h.update(b"\0")
+    h.update(idempotency_key.encode())
     h.update(b"\0")
     h.update(raw_body)
     return h.hexdigest()
@@ -355,8 +429,10 @@ def body_hash(tenant: str, raw_body: bytes) -> str:
 
 def resolve(
     *, tenant: str, headers: Mapping[str, str], path_session: str | None, body: dict[str, Any], hashes: list[str],
-    index: ContinuationIndex, fingerprint: str = "",
+    index: ContinuationIndex, fingerprint: str = "", retry: bool = False,
 ) -> tuple[SessionRef, Continuation]:
+    """The call's session and parent; `fingerprint` and `retry` (`body_hash`, `retry_signal`) tell
+    a retry of an earlier request from a new run."""
     client = detect_client(headers)
     task_id = headers.get("x-atdp-task-id")
     if task_id is not None and (problem := id_problem(task_id)):
@@ -364,9 +440,9 @@ def resolve(
     named = explicit_session(headers, path_session, body)
     if named:
         sid, source = named
-        cont = index.find(hashes, sid, fingerprint)
+        cont = index.find(hashes, sid, fingerprint, retry)
         return SessionRef(tenant, sid, source, client, task_id), cont
-    cont = index.find(hashes, None, fingerprint)
+    cont = index.find(hashes, None, fingerprint, retry)
     if cont.parent is not None:
         ref = SessionRef(tenant, cont.parent.session_id, "continuation", client, task_id)
         if not cont.parent.step_id:  # sibling of a session's first step: same session, no parent

@@ -42,12 +42,14 @@ def test_retries_link_within_the_window_and_inputs_are_not_kept_beyond_it():
     index = ContinuationIndex(retry_window_s=0.3)
     link = StepLink(step_id=new_id(), session_id=new_id())
     h = hashes("sys", "hello")
-    index.add_input(h[-1], link, None, 0, "body-1")
-    assert index.find(h, None, "body-1").parent == StepLink(step_id="", session_id=link.session_id)
-    assert index.find(h, None, "body-2").parent is None  # same input, another body: a new run
+    index.begin_input("body-1", link, None, 0)
+    index.end_input("body-1", link, None, 0, delivered=True)
+    sibling = StepLink(step_id="", session_id=link.session_id)
+    assert index.find(h, None, "body-1", retry=True).parent == sibling  # the client says it retries
+    assert index.find(h, None, "body-2", retry=True).parent is None  # same input, another request: a new run
     time.sleep(0.35)
-    assert index.find(h, None, "body-1").parent is None
-    index.add_input(hashes("other")[-1], link, None, 0, "body-3")  # trims what is past the window
+    assert index.find(h, None, "body-1", retry=True).parent is None
+    index.end_input("body-3", link, None, 0, delivered=True)  # trims what is past the window
     assert len(index._by_input) == 1
 
 
@@ -61,19 +63,28 @@ def test_the_index_is_bounded_by_count_and_forgets_steps():
     assert index.find([keys[0], "x"], None).parent is None  # the oldest went first
     assert index.find([keys[-1], "x"], None).parent == links[-1]
     parent = StepLink(step_id=new_id(), session_id=links[-1].session_id)
-    index.add_input(hashes("in")[-1], links[-2], parent, 2, "b")
-    assert index.forget({links[-1].step_id, parent.step_id}) == 2
+    index.begin_input("b", links[-2], parent, 2)
+    index.end_input("b", links[-2], parent, 2, delivered=False)
+    index.begin_input("c", links[-3], parent, 2)  # still running
+    assert index.forget({links[-1].step_id, parent.step_id}) == 3
     assert index.find([keys[-1], "x"], None).parent is None
     assert index.find(hashes("in"), None, "b").parent is None
+    assert index.find(hashes("in"), None, "c", retry=True).parent is None
 
 
 def test_learned_rows_link_like_local_ones():
     index = ContinuationIndex()
     t, i = hashes("a", "b")[-1], hashes("c")[-1]
     sid, parent = new_id(), new_id()
-    index.learn([LinkRow(t, "t", new_id(), sid), LinkRow(i, "i", new_id(), sid, parent, 3)])
+    index.learn([LinkRow(t, "t", new_id(), sid), LinkRow(i, "i", new_id(), sid, parent, 3),
+                  LinkRow("old", "i", new_id(), sid, parent, 3, age_s=3600.0)])
     assert index.find([t, "x"], None).parent.session_id == sid
-    assert index.find([i], None, "").parent is None  # a retry needs the same body, which a row does not carry
+    # An "i" row is a request's fingerprint, from another proxy that does not say whether it answered:
+    # only the client's word makes a call with that fingerprint its retry, within the window.
+    assert index.find(["y"], None, i).parent is None
+    assert index.find(["y"], None, i, retry=True).parent == StepLink(step_id=parent, session_id=sid)
+    assert index.find(["y"], None, i, retry=True).history_len == 3
+    assert index.find(["y"], None, "old", retry=True).parent is None
 
 
 def test_an_entry_costs_a_few_hundred_bytes():
