@@ -160,7 +160,7 @@ def _control_paths() -> dict[str, dict[str, Any]]:
 def _service_paths() -> dict[str, dict[str, Any]]:
     return {
         "/": {"get": _op("service banner")},
-        "/healthz": {"get": _op("health: database, writer, spool, replicas")},
+        "/healthz": {"get": _op("health: database, writer, spool, replicas, the NER model of redaction")},
         "/metrics": {"get": _op("Prometheus metrics", ok_content={"text/plain": {"schema": {"type": "string"}}})},
         "/openapi.json": {"get": _op("this document")},
         "/ui": {"get": _op("the operator console (docs/console.md)", ok_content=_HTML)},

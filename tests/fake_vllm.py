@@ -14,6 +14,10 @@ per UTF-8 byte) so token ids are predictable. The last user message scripts the 
 - `#brokenerror STATUS`: an error answer (HTTP STATUS) whose body breaks off mid-read
 - otherwise: answer "echo: <the message>" (or `#say TEXT` -> TEXT)
 
+`script` scripts calls by their order instead, for identical requests that must be answered
+differently (a retry after a failure): each chat call takes the next entry, if any, over its plan
+(`{"status": 500}`, `{"delay": 3.0}`, `{"text": "..."}`).
+
 It also has vLLM's dev-mode weight routes (/pause, /sleep at level 0, /reset_prefix_cache, /resume,
 /collective_rpc, /update_weight_version, /weight_info) so swap orchestration can be tested; the
 current "weights" prefix every answer.
@@ -62,6 +66,7 @@ class FakeVLLM:
         self.record = True
         self.reloads: list[str] = []
         self.fail_reload = False
+        self.script: list[dict[str, Any]] = []  # overrides for the next chat calls, one each (docstring)
 
     # --- scripting -------------------------------------------------------------------------
 
@@ -173,6 +178,8 @@ class FakeVLLM:
         if self.record:
             self.requests.append(body)
         plan = self.plan(body)
+        if self.script:
+            plan.update(self.script.pop(0))
         if plan["delay"]:
             await asyncio.sleep(plan["delay"])
         if plan.get("broken"):

@@ -22,6 +22,18 @@ from proxy.store import tables as t
 from tests.fake_vllm import FakeVLLM, ServerThread
 
 
+def all_trainable():
+    """Policies under which every rewarded session is trainable: no held-out share (the default holds
+    10% out for the replay gate). For tests that count what one update trains on."""
+    from proxy.governance.policies import Policies
+    from proxy.governance.policy import TenantPolicy
+
+    return Policies({"default": TenantPolicy(training_consent=True, eval_holdout=0.0)})
+
+
+ALL_TRAINABLE_TOML = "[default]\ntraining_consent = true\neval_holdout = 0.0\n"  # the same, as a policy file
+
+
 @dataclass
 class RunningProxy:
     url: str
@@ -78,12 +90,23 @@ def start_proxy(db_url, tmp_path) -> Callable[..., RunningProxy]:
     def start(upstreams: list[str], *, database_url: str | None = None, home: Path | None = None,
               wait_db: bool = True, **overrides) -> RunningProxy:
         tenant = overrides.pop("tenant", None) or f"t-{uuid.uuid4().hex[:8]}"
-        settings = Settings(home=home or tmp_path / f"home-{len(running)}", database_url=database_url or db_url,
+        home = home or tmp_path / f"home-{len(running)}"
+        home.mkdir(parents=True, exist_ok=True)
+        # No held-out share either (the default holds 10% of sessions out for the replay gate), unless
+        # a test names its own policy file: what a test trains on and counts is every session.
+        all_trainable = home / "all-trainable.toml"
+        all_trainable.write_text(ALL_TRAINABLE_TOML)
+        settings = Settings(home=home, database_url=database_url or db_url, policy_file=all_trainable,
                             upstream_urls=upstreams, open_mode=True, default_tenant=tenant,
                             secret=b"test-secret", admin_key="admin-test-key", writer_mode="thread",
                             # Tests register made-up and temporary checkpoint paths; the roots' own
                             # test (test_versions.py) narrows this.
-                            checkpoint_roots=[Path("/")])
+                            checkpoint_roots=[Path("/")],
+                            # Most tests post a checkpoint to exercise what follows a promotion (swaps,
+                            # canaries, training rounds) on an install with no evaluation set: gates
+                            # off, as an operator would say explicitly. The defaults (gates on, a
+                            # held-out share) are tested in test_gates_default.py.
+                            gates="off")
         for k, v in overrides.items():
             setattr(settings, k, v)
         # Thread mode shares one in-process redactor across tests (fast); process mode is production's.

@@ -8,8 +8,14 @@ and the tenants' held-out sessions) is replayed greedily (temperature 0) on one 
 the serving weights, then with the candidate's, loaded with the swap machinery; the serving weights
 are loaded back before the replica reopens. Scores come from the evaluators (proxy.evaluation
 .evaluators), the verdict from proxy.evaluation.stats.
-- no cases at all: the gate is `skipped` and the candidate is promoted (gates stay off until the
-  operator configures suites or a held-out share);
+- fewer cases than `ATDP_EVAL_MIN_CASES` (20): the candidate waits, `evaluating` with both gates
+  `pending` and the numbers saying how many cases there are and how many it needs; `recheck_waiting`
+  counts again every `ATDP_EVAL_RECHECK_S` and runs its gates once there are enough. The cases come
+  from the default held-out share (10% of sessions, never trained on, scored against the rewarded
+  recorded answers: proxy.evaluation.cases) and any operator suite, so a fresh install's first
+  candidate is evaluated once enough rewarded sessions are held out, never served unevaluated;
+- `ATDP_GATES=off` (explicit): no minimum; a candidate with no case at all is promoted with the gate
+  `skipped`, the reason naming the setting (the card shows it);
 - the candidate's weights do not load: the version is `failed` (as a failed swap);
 - an evaluator or a suite is broken: the gate is `error` and the version `rejected` (fail closed).
 
@@ -112,11 +118,16 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
             return None
         results[REPLAY_GATE].numbers["seconds"] = round(time.perf_counter() - t0, 3)
 
+        waiting = results[REPLAY_GATE].state == GateState.pending
+
         def record(s) -> None:
             for gate, result in results.items():
-                set_gate(s, target.id, gate, result.state, result.numbers, finished=True)
+                set_gate(s, target.id, gate, result.state, result.numbers, finished=not waiting)
 
         await run_db(state, record)
+        if waiting:  # stays `evaluating`; recheck_waiting runs its gates again once there are cases
+            log.info("version %s waits for evaluation cases: %s", target.name, results[REPLAY_GATE].numbers["reason"])
+            return None
         blocking = {gate: r for gate, r in results.items() if r.state not in (GateState.passed, GateState.skipped)}
         if blocking:
             reasons = [reason for r in blocking.values() for reason in r.reasons]
@@ -145,8 +156,8 @@ async def _evaluate(state: AppState, versions: Versions, target: VersionRef) -> 
         return {REPLAY_GATE: GateResult(GateState.error, {"error": error}, [f"replay evaluation could not run: {error}"]),
                 SAFETY_GATE: GateResult(GateState.error, {"error": "no replay answers: " + error},
                                         ["safety checks could not run: no replay answers"])}
-    if isinstance(replay, GateResult):  # nothing to evaluate on
-        return {REPLAY_GATE: replay, SAFETY_GATE: GateResult(GateState.skipped, {"reason": "no replay answers"}, [])}
+    if isinstance(replay, GateResult):  # nothing to evaluate on (yet, when it waits for cases)
+        return {REPLAY_GATE: replay, SAFETY_GATE: GateResult(replay.state, {"reason": "no replay answers"}, [])}
     results = {}
     for gate, judge in ((REPLAY_GATE, _score), (SAFETY_GATE, _safety)):
         try:
@@ -180,9 +191,14 @@ async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -
     counts = {"suite_cases": sum(c.source.startswith("suite:") for c in evalset.cases),
               "held_out_cases": sum(c.source.startswith("held-out:") for c in evalset.cases),
               "held_out_sessions": evalset.held_out_sessions, "unscored_held_out_steps": evalset.unscored_held_out}
-    if not evalset.cases:
-        return GateResult(GateState.skipped, {**counts, "reason": "no evaluation cases (no operator suite, no "
-                                              "held-out session with a task rule)"}, [])
+    if settings.gates == "off" and not evalset.cases:
+        return GateResult(GateState.skipped, {**counts, "gates": "off", "reason": "no evaluation cases, and gates are "
+                                              "off by setting (ATDP_GATES=off): promoted unevaluated"}, [])
+    if settings.gates == "on" and len(evalset.cases) < settings.eval_min_cases:
+        return GateResult(GateState.pending, {**counts, "cases": len(evalset.cases), "needs": settings.eval_min_cases,
+                                              "reason": f"waiting for evaluation cases: {len(evalset.cases)} of "
+                                              f"{settings.eval_min_cases} (held-out rewarded sessions, operator "
+                                              "suites); counted again every ATDP_EVAL_RECHECK_S"}, [])
     serving = versions.current
     if serving is None:
         raise GateError("the serving version is not known yet")
@@ -218,7 +234,12 @@ def _collect(state: AppState) -> EvalSet:
     with state.factory() as s:
         holdout = state.policies.holdout_shares(s)
         if holdout[1] > 0 or any(v > 0 for v in holdout[0].values()):
-            add_held_out(s, evalset, holdout, max_cases=settings.eval_max_cases, max_tokens=settings.eval_max_tokens)
+            def well_rewarded(tenant: str, mean: float) -> bool:  # above the middle of the tenant's range
+                policy = state.policies.policy_for(s, tenant)
+                return mean > (policy.reward_min + policy.reward_max) / 2
+
+            add_held_out(s, evalset, holdout, max_cases=settings.eval_max_cases, max_tokens=settings.eval_max_tokens,
+                         well_rewarded=well_rewarded)
     return evalset
 
 
@@ -284,6 +305,33 @@ async def _answers(client: httpx.AsyncClient, replica: Replica, model: str, case
         return Answer(text=message.get("content") or "", tool_calls=calls, finish_reason=choice.get("finish_reason"))
 
     return list(await asyncio.gather(*(one(c) for c in cases)))
+
+
+async def recheck_waiting(state: AppState, versions: Versions) -> None:
+    """Every ATDP_EVAL_RECHECK_S: run the gates again of each candidate that waits for evaluation cases
+    (`evaluating`, its replay gate `pending` and finished by no running task), oldest first; each run
+    counts the cases and either evaluates or goes on waiting."""
+    interval = state.settings.eval_recheck_s
+    while not state.stopping.is_set():
+        await asyncio.sleep(interval)
+        if not versions.ready.is_set() or state.factory is None:
+            continue
+
+        def waiting(s) -> list[VersionRef]:
+            rows = s.execute(select(t.ModelVersion).join(t.VersionGate, t.VersionGate.version_id == t.ModelVersion.id)
+                             .where(t.ModelVersion.status == VersionStatus.evaluating,
+                                    t.VersionGate.gate == REPLAY_GATE, t.VersionGate.state == GateState.pending)
+                             .order_by(t.ModelVersion.created_at)).scalars().all()
+            return [VersionRef(row.id, row.name, row.checkpoint) for row in rows]
+
+        try:
+            refs = await run_db(state, waiting)
+        except Exception as e:  # the database may be away: the next round asks again
+            log.warning("could not look for candidates waiting for evaluation cases: %s: %s", type(e).__name__, e)
+            continue
+        for ref in refs:
+            if ref.id not in versions.gate_tasks:
+                versions.start_gates(ref, lambda ref=ref: run_gates(state, versions, ref, actor="system:recheck"))
 
 
 async def resume_gates(state: AppState, versions: Versions) -> list[str]:

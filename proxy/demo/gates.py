@@ -224,7 +224,7 @@ def final_card(url: str, out: Path) -> tuple[str | None, str, dict[str, Any] | N
     name = last_promoted(url)
     card = read_card(url, name) if name else None
     if card is None:
-        text = "no trained version was promoted in this run (every candidate was rejected): no card to show\n"
+        text = "no trained version was promoted in this run (every candidate was rejected, or waits for evaluation cases): no card to show\n"
         (out / "card.md").write_text(text)
         return None, text, None
     text = card_markdown(card)

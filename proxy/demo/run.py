@@ -89,6 +89,7 @@ class DemoConfig:
     eval_cases: int = 16
     eval_holdout: float = 0.25
     eval_max_cases: int = 48
+    eval_min_cases: int = 20  # the product's default (ATDP_EVAL_MIN_CASES): fewer, and a candidate waits
     eval_concurrency: int = 8
     # Asked for, so the card says what happened to it: with the demo's one vLLM replica the canary
     # gate is skipped (a canary needs a second replica group) and a passing candidate serves at once.
@@ -218,7 +219,7 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         env = child_env(home, ATDP_ADMIN_KEY=admin_key, ATDP_OPEN_MODE="1", ATDP_HOST="127.0.0.1",
                         ATDP_PORT=str(port), ATDP_UPSTREAM_URL=vllm.base_url, ATDP_TOKENIZER=str(model_dir),
                         ATDP_DEFAULT_TENANT=TENANT, ATDP_PROXY_URL=proxy_url, ATDP_EVAL_SUITES=str(out / "suites"),
-                        ATDP_EVAL_MAX_CASES=str(cfg.eval_max_cases), ATDP_EVAL_MAX_TOKENS=str(cfg.max_tokens),
+                        ATDP_EVAL_MAX_CASES=str(cfg.eval_max_cases), ATDP_EVAL_MIN_CASES=str(cfg.eval_min_cases), ATDP_EVAL_MAX_TOKENS=str(cfg.max_tokens),
                         ATDP_EVAL_CONCURRENCY=str(cfg.eval_concurrency), ATDP_CANARY_FRACTION=str(cfg.canary_fraction))
         n_tasks = cfg.sessions_per_round // cfg.group_size
         rounds_tasks = [task for r in range(cfg.rounds + 1) for task in make_tasks(n_tasks, seed=cfg.seed, round_no=r)]
@@ -236,7 +237,8 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
                    f"serving {version}; logs in {out}")
         set_policy(proxy_url, admin_key, TENANT, {"eval_holdout": cfg.eval_holdout})
         board.note(f"gates: {cfg.eval_cases} suite cases + held-out sessions ({cfg.eval_holdout:.0%} of each round's, "
-                   f"never trained on), scored per step by the task rule; at most {cfg.eval_max_cases} cases per candidate")
+                   f"never trained on), scored per step by the task rule; at least {cfg.eval_min_cases} and at most {cfg.eval_max_cases} cases "
+                   "per candidate")
         gate_rounds: list[GateRound] = []
         heldout = split_tasks("heldout", cfg.heldout_tasks)
 
@@ -414,7 +416,7 @@ def cmd_demo(args) -> int:
         model=args.model, rounds=args.rounds, sessions_per_round=args.sessions_per_round, group_size=args.group_size,
         concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr,
         ppo_epochs=args.ppo_epochs, lora_r=args.lora_r, seed=args.seed, home=home,
-        heldout_tasks=args.heldout_tasks, start_timeout_s=args.start_timeout, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, vllm_python=args.vllm_python or settings.vllm_python,
+        heldout_tasks=args.heldout_tasks, start_timeout_s=args.start_timeout, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, eval_min_cases=args.eval_min_cases, vllm_python=args.vllm_python or settings.vllm_python,
     )
 
     INTERRUPT_CAUGHT.clear()
@@ -462,6 +464,8 @@ def register(sub) -> None:
     p.add_argument("--eval-holdout", type=float, default=d.eval_holdout,
                    help="share of sessions held out from the trainer for the gates (0 to 0.5)")
     p.add_argument("--eval-max-cases", type=int, default=d.eval_max_cases, help="cases replayed per candidate")
+    p.add_argument("--eval-min-cases", type=int, default=d.eval_min_cases,
+                   help="the fewest cases a candidate is evaluated on; with fewer it waits (not promoted)")
     p.add_argument("--start-timeout", type=float, default=d.start_timeout_s,
                    help="seconds to wait for vLLM to start (a loaded machine needs more)")
     p.add_argument("--home", help="the demo's home (default $ATDP_HOME, else ~/.local/share/atdp/demo)")

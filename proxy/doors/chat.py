@@ -108,6 +108,7 @@ async def handle(request: Request, body: Any, call_begin: CallBegin) -> Response
         resp = await calls.open_upstream(call, upstream_body)
     except ApiError as e:
         calls.finish(call, status="error", error={"type": "upstream_unavailable", "message": e.message, "status_code": e.status})
+        e.headers = {**e.headers, **call.response_headers()}  # as every other answer: which session, which step
         raise
     if resp.status_code >= 400:  # vLLM's own error answer, passed through as chat completions clients expect
         upstream_url = call.upstream_url

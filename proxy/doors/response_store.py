@@ -150,7 +150,8 @@ class ResponseStore:
         found = await asyncio.to_thread(self._load, tenant, response_id)
         # Another proxy on this database may have served it a moment ago, its sealed row still on
         # the way through its writer: a miss waits for it (bounded), so only a 404 pays the wait.
-        deadline = time.monotonic() + (self.state.settings.response_wait_s if self.state.settings.shared_links else 0.0)
+        links = self.state.links
+        deadline = time.monotonic() + (self.state.settings.response_wait_s if links is not None and links.shared else 0.0)
         delay = 0.01
         while found is None and time.monotonic() < deadline:
             await asyncio.sleep(delay)

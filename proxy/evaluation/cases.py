@@ -6,18 +6,24 @@ Suite files (`ATDP_EVAL_SUITES`, every `*.jsonl` in the folder), one JSON object
 - a **task rule**: `{"task": TASK, "evaluator": NAME, "expected": ...}` (no messages): how to score
   held-out recorded sessions of that task (tenant and task as recorded, `X-ATDP-Task-Id`).
 
-Held-out sessions (proxy.store.holdout: the tenant's `eval_holdout` share, never trained on) that
-have a reward and a task rule become cases: each eligible step's recorded input, rebuilt as the
-replay command does, scored by the rule. Held-out steps whose task has no rule are counted, not scored.
+Held-out sessions (proxy.store.holdout: the tenant's `eval_holdout` share, 10% by default, never
+trained on) that have a reward become cases: each eligible step's recorded input, rebuilt as the
+replay command does. A task rule scores its task's sessions. A session whose task has no rule is
+scored against its own recorded answers when it was rewarded well (its mean reward above the middle
+of the tenant's reward range): the `recorded` evaluator asks a version to keep doing what was
+rewarded (the same tool, valid arguments; or an answer close to the recorded text). Steps of
+sessions rewarded at or below the middle with no rule are counted, not scored: what a poorly
+rewarded answer should have been is not known.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import exists, select
+from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
 
 from atdp_schema.models import Eligibility
@@ -101,9 +107,13 @@ def load_suites(folder: Path | None, *, max_tokens: int) -> EvalSet:
     return out
 
 
+RECORDED = "recorded"  # the evaluator of held-out sessions without a task rule (proxy.evaluation.evaluators)
+
+
 def add_held_out(s: Session, evalset: EvalSet, holdout: tuple[dict[str, float], float], *, max_cases: int,
-                 max_tokens: int) -> None:
-    """Add the held-out rewarded sessions' steps (newest sessions first) as cases, up to max_cases."""
+                 max_tokens: int, well_rewarded: Callable[[str, float], bool]) -> None:
+    """Add the held-out rewarded sessions' steps (newest sessions first) as cases, up to max_cases.
+    `well_rewarded(tenant, mean reward)`: whether a session without a task rule is a reference."""
     rewarded = exists().where(t.Feedback.session_id == t.Session.id, t.Feedback.reward.is_not(None))
     sessions = list(s.scalars(
         select(t.Session).where(held_out_sql(*holdout), rewarded, t.Session.replay_of.is_(None),
@@ -120,8 +130,10 @@ def add_held_out(s: Session, evalset: EvalSet, holdout: tuple[dict[str, float], 
                                .order_by(t.Step.seq)))
         rule = evalset.rules.get(se.task_id or "")
         if rule is None:
-            evalset.unscored_held_out += len(steps)
-            continue
+            mean = s.scalar(select(func.avg(t.Feedback.reward)).where(t.Feedback.session_id == se.id))
+            if mean is None or not well_rewarded(se.tenant_id, float(mean)):
+                evalset.unscored_held_out += len(steps)
+                continue
         hashes = {h for st in steps for h in (*st.message_hashes, st.system_hash, st.tools_hash, st.output_hash) if h}
         contents = load_contents(s, se.tenant_id, hashes)
         try:
@@ -134,6 +146,14 @@ def add_held_out(s: Session, evalset: EvalSet, holdout: tuple[dict[str, float], 
                                 contents.get(st.tools_hash) if st.tools_hash else None, "")
             request = {k: body[k] for k in ("messages", "tools") if body.get(k)}
             request["max_tokens"] = min(int(body.get("max_tokens") or max_tokens), max_tokens)
+            if rule is not None:
+                evaluator, expected = rule.evaluator, rule.expected
+            else:  # what was rewarded: the recorded answer's text and the tools it called
+                action = contents.get(st.output_hash) if st.output_hash else None
+                action = action if isinstance(action, dict) else {}
+                evaluator = RECORDED
+                expected = {"text": action.get("text") or "",
+                            "tools": [c.get("name") for c in action.get("tool_calls") or [] if isinstance(c, dict)]}
             evalset.cases.append(EvalCase(id=f"{se.external_id}#{st.seq}", tenant=se.tenant_id,
                                           source=f"held-out:{se.task_id}", request=request,
-                                          evaluator=rule.evaluator, expected=rule.expected))
+                                          evaluator=evaluator, expected=expected))

@@ -11,12 +11,17 @@ Built-ins (`expected` is the case's expected outcome):
 - `tool-call-valid`: the answer makes at least one tool call, each names a tool the case offers and
   its arguments are JSON valid against that tool's `parameters` schema; `expected`, when a string,
   is the tool that must be called.
+- `recorded` (held-out sessions without a task rule): `expected` is `{"text", "tools"}`, a rewarded
+  recorded answer. With tools: 1 when the answer calls the same tools (as a multiset) with arguments
+  valid against their schemas, else 0. Without: the word-level similarity of the answer's text to the
+  recorded text (difflib's ratio, 0..1), 0 when the answer calls a tool instead.
 - `command`: `expected` is an argv list (or a string split on spaces); the program reads the case
   and the answer as one JSON object on stdin and prints a score (a number) on stdout.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import shlex
@@ -60,23 +65,47 @@ def json_schema(case: EvalCase, answer: Answer) -> float:
     return 1.0
 
 
-def tool_call_valid(case: EvalCase, answer: Answer) -> float:
+def _offered(case: EvalCase) -> dict[str, dict]:
+    """The case's tools by name: their parameters' JSON Schema."""
     offered = {}
     for tool in case.request.get("tools") or []:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
             offered[fn["name"]] = fn.get("parameters") or {"type": "object"}
-    if not answer.tool_calls:
-        return 0.0
-    for call in answer.tool_calls:
+    return offered
+
+
+def _calls_valid(calls: list[dict], offered: dict[str, dict]) -> bool:
+    for call in calls:
         name = call.get("name")
-        if name not in offered or (isinstance(case.expected, str) and name != case.expected):
-            return 0.0
+        if name not in offered:
+            return False
         try:
             jsonschema.validate(json.loads(call.get("arguments") or "{}"), offered[name])
         except (ValueError, jsonschema.ValidationError):
-            return 0.0
-    return 1.0
+            return False
+    return True
+
+
+def tool_call_valid(case: EvalCase, answer: Answer) -> float:
+    if not answer.tool_calls:
+        return 0.0
+    if isinstance(case.expected, str) and any(call.get("name") != case.expected for call in answer.tool_calls):
+        return 0.0
+    return float(_calls_valid(answer.tool_calls, _offered(case)))
+
+
+def recorded(case: EvalCase, answer: Answer) -> float:
+    expected = case.expected
+    if not isinstance(expected, dict) or not isinstance(expected.get("text"), str) or not isinstance(
+            expected.get("tools"), list):
+        raise EvaluatorError(f"case {case.id}: 'recorded' needs {{'text': str, 'tools': [names]}} in 'expected'")
+    if expected["tools"]:
+        same = sorted(str(c.get("name")) for c in answer.tool_calls) == sorted(map(str, expected["tools"]))
+        return float(same and _calls_valid(answer.tool_calls, _offered(case)))
+    if answer.tool_calls:
+        return 0.0
+    return difflib.SequenceMatcher(None, answer.text.split(), expected["text"].split(), autojunk=False).ratio()
 
 
 def command(case: EvalCase, answer: Answer) -> float:
@@ -100,7 +129,7 @@ def command(case: EvalCase, answer: Answer) -> float:
 
 BUILT_INS: dict[str, Evaluator] = {
     "exact": exact, "regex": regex, "json-schema": json_schema, "tool-call-valid": tool_call_valid,
-    "command": command,
+    "command": command, "recorded": recorded,
 }
 
 

@@ -324,10 +324,12 @@ class StoredResponse(Base):
 class ContinuationLink(Base):
     """A step's continuation keys, shared by every proxy on this database (proxy.sessions).
 
-    `hash` is a rolling hash of normalised messages, seeded by the tenant: kind "t" the step's input +
-    output (what the client's next call starts with), kind "i" its input alone (a retry or a parallel
-    sample is a sibling). Written by the proxy that served the step before the client has the whole
-    answer; read by a proxy whose own memory misses. Rows older than the session window are deleted.
+    Kind "t": `hash` is a rolling hash of the step's normalised input + output messages (what the
+    client's next call starts with), seeded by the tenant, API key and end user. Kind "i": `hash` is
+    the request's fingerprint (`proxy.sessions.body_hash`), which a client's retry of the call repeats
+    (the retry joins the step's session as a sibling). Written by the proxy that served the step
+    before the client has the whole answer; read by a proxy whose own memory misses. Rows older than
+    the session window are deleted.
     """
 
     __tablename__ = "continuation_links"

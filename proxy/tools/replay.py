@@ -179,7 +179,7 @@ def cmd_replay(args) -> int:
     engine = db.make_engine(db.database_url(settings))
     try:
         result = replay_session(db.session_factory(engine), args.session, tenant=args.tenant, upstream=upstream,
-                                redactor=Redactor(RedactionConfig(salt=settings.secret)), secret=settings.secret,
+                                redactor=Redactor(RedactionConfig(salt=settings.secret, ner_model=settings.ner_model)), secret=settings.secret,
                                 policies=Policies.from_settings(settings), model_version=args.model_version,
                                 model=args.model)
     except LookupError as e:

@@ -38,6 +38,7 @@ import httpx
 import pytest
 
 from proxy.store import db
+from tests.proxy_fixtures import ALL_TRAINABLE_TOML
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -74,8 +75,12 @@ def _round(proxy, model: str, rnd: int) -> None:
 def _train(proxy, home: Path, url: str, engine_url: str, *, ranks: int = 1) -> subprocess.CompletedProcess:
     # The trainer gets the engine's URL as a deployment gives it (ATDP_UPSTREAM_URL): it probes how
     # the engine rounds and computes its logprobs the same way (trainer/numerics.py).
+    home.mkdir(parents=True, exist_ok=True)
+    policy = home / "all-trainable.toml"  # every session trains: the test holds out its own tasks
+    policy.write_text(ALL_TRAINABLE_TOML)
     env = {**os.environ, "ATDP_DATABASE_URL": url, "ATDP_ADMIN_KEY": "admin-test-key", "ATDP_PROXY_URL": proxy.url,
-           "ATDP_UPSTREAM_URL": engine_url, "ATDP_HOME": str(home), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+           "ATDP_UPSTREAM_URL": engine_url, "ATDP_HOME": str(home), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "ATDP_POLICY_FILE": str(policy)}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     args = ["-m", "proxy.cli", "train", "--once", "--lr", "5e-4", "--ppo-epochs", "2", "--seed", "0"]

@@ -16,6 +16,7 @@ from proxy.evolve.rules import Rules
 from proxy.store import db
 from proxy.store import tables as t
 from tests.diagnosis_seed import chat_session, seed_harness, seed_policy, tenant_key
+from tests.proxy_fixtures import all_trainable
 from trainer import lease
 from trainer.gate import DiagnosisGate
 from trainer.loop import TrainConfig, run
@@ -26,7 +27,8 @@ from trainer.main import diagnosis_gate
 def _cfg(url: str, proxy, home: Path, gate: DiagnosisGate | None) -> TrainConfig:
     opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
     return TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key",
-                       checkpoints_dir=home / "checkpoints", once=True, lr=1e-3, ppo=opts, gate=gate)
+                       checkpoints_dir=home / "checkpoints", once=True, lr=1e-3, ppo=opts, gate=gate,
+                       policies=all_trainable())
 
 
 def test_train_when_diagnosed_waits_for_a_policy_finding(new_database, start_proxy, fake_upstream, tiny_dir, tmp_path):

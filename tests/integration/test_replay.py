@@ -92,7 +92,7 @@ def test_output_units_per_api():
 def test_replay_against_real_vllm_reproduces_a_greedy_session(start_proxy, vllm_server, factory):
     # The rendered path: replay rebuilds each input from its messages and lets vLLM render it, so it
     # reproduces rendered prompts; a token-in-token-out step's prompt holds the parent's own output
-    # ids, which a rendering of the same text need not give back (README, limits).
+    # ids, which a rendering of the same text need not give back (docs/limits.md).
     proxy = start_proxy([vllm_server.base_url], tito=False)
     c = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0, default_headers={"X-ATDP-Session-Id": "vllm-replay"})
     messages = [{"role": "system", "content": "You are terse."}]

@@ -20,6 +20,7 @@ from sqlalchemy import select
 
 from proxy.governance.policies import Policies
 from proxy.store import tables as t
+from tests.proxy_fixtures import all_trainable
 from trainer import lease
 from trainer.loop import TrainConfig, run
 from trainer.loss import PPOOptions
@@ -128,7 +129,8 @@ def test_rewards_lag_and_stale_marking(start_proxy, fake_upstream, own_db, tiny_
     assert lease.version_lag(["nope"], ranks, "v2") == lease.UNKNOWN_LAG
 
     cfg = TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key",
-                      checkpoints_dir=Path("/nonexistent"), once=True, max_version_lag=1, lease_ttl_s=0.0)
+                      checkpoints_dir=Path("/nonexistent"), once=True, max_version_lag=1, lease_ttl_s=0.0,
+                      policies=all_trainable())
     time.sleep(0.05)  # T's lease (ttl 60) is still live: release it first
     with factory() as s, s.begin():
         lease.release(s, ids, owner="T")
@@ -163,7 +165,8 @@ def _trainer_key(url: str) -> str:
 def _cfg(url, proxy, home: Path, **kw) -> TrainConfig:
     opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
     return TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key=_trainer_key(url),
-                       checkpoints_dir=home / "checkpoints", once=True, **{"lr": 1e-3, "ppo": opts, **kw})
+                       checkpoints_dir=home / "checkpoints", once=True,
+                       **{"lr": 1e-3, "ppo": opts, "policies": all_trainable(), **kw})
 
 
 def test_once_trains_registers_lineage_and_swaps(start_proxy, fake_upstream, own_db, tiny_dir, tmp_path):

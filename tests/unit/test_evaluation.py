@@ -53,6 +53,22 @@ def test_tool_call_valid_checks_name_and_arguments_against_the_offered_schema():
     assert r.score(_case("tool-call-valid", None, tools=TOOLS), Answer("I would add them")) == 0.0
 
 
+def test_recorded_scores_an_answer_against_the_rewarded_recorded_one():
+    r = Registry()
+    call = {"text": "", "tools": ["add"]}
+    good = Answer("", [{"name": "add", "arguments": '{"a": 1, "b": 2}'}])
+    assert r.score(_case("recorded", call, tools=TOOLS), good) == 1.0
+    assert r.score(_case("recorded", call, tools=TOOLS), Answer("", [{"name": "add", "arguments": '{"a": "x"}'}])) == 0.0
+    assert r.score(_case("recorded", call, tools=TOOLS), Answer("", good.tool_calls * 2)) == 0.0  # not the same calls
+    assert r.score(_case("recorded", call, tools=TOOLS), Answer("3")) == 0.0
+    said = {"text": "the answer is 19", "tools": []}
+    assert r.score(_case("recorded", said), Answer("the answer is 19")) == 1.0
+    assert r.score(_case("recorded", said), Answer("the answer is 12")) == 0.75  # 3 of 4 words
+    assert r.score(_case("recorded", said), Answer("", good.tool_calls)) == 0.0  # a call where words were rewarded
+    with pytest.raises(EvaluatorError):
+        r.score(_case("recorded", "19"), Answer("19"))
+
+
 def test_command_evaluator_reads_the_case_on_stdin_and_prints_a_score(tmp_path: Path):
     program = tmp_path / "score.py"
     program.write_text("import json, sys\nd = json.load(sys.stdin)\n"
