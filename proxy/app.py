@@ -36,7 +36,7 @@ from proxy.governance.ner import NerStatus, ner_status
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import LazyRedactor, TextRedactor
 from proxy.http import Endpoint, Route, json_response, log_exception, run_db
-from proxy.record.recorder import Recorder
+from proxy.record.durability import Writer
 from proxy.record.writer_process import WriterProcess, build_recorder
 from proxy.sessions import ContinuationIndex, StepLink
 from proxy.state import AppState
@@ -79,15 +79,15 @@ async def _warm_up_providers() -> None:
 def create_app(settings: Settings, *, redactor: TextRedactor | None = None, connect_db: bool = True) -> Starlette:
     logs.install()  # no credentials in HTTP clients' log lines, however the process set up logging
     policies = Policies.from_settings(settings)
-    recorder: Recorder | WriterProcess
+    recorder: Writer
     if redactor is None and settings.writer_mode == "process":
         recorder = WriterProcess(settings, policies)
         # For the few texts control routes persist themselves (feedback comments).
         own_redactor: TextRedactor = LazyRedactor(settings.secret, settings.ner_model)
         owns_redactor = True
     else:
-        recorder = build_recorder(settings, policies, redactor=redactor)
-        own_redactor = recorder.redactor
+        in_process = build_recorder(settings, policies, redactor=redactor)
+        recorder, own_redactor = in_process, in_process.redactor
         owns_redactor = redactor is None
     state = AppState(
         settings=settings,

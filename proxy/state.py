@@ -24,8 +24,7 @@ from proxy.evolve.snapshot import DiagnosisCache
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import TextRedactor
 from proxy.providers import RouteTable
-from proxy.record.recorder import Recorder
-from proxy.record.writer_process import WriterProcess
+from proxy.record.durability import Writer
 from proxy.sessions import ContinuationIndex
 from proxy.store.links import LinkStore
 from proxy.store.presence import Presence
@@ -39,7 +38,7 @@ class AppState:
     policies: Policies
     pool: ReplicaPool
     index: ContinuationIndex
-    recorder: Recorder | WriterProcess  # thread mode: in this process; process mode (default): a child
+    recorder: Writer  # thread mode: in this process; process mode (default): a child
     redactor: TextRedactor  # for the few texts control routes persist themselves (feedback comments)
     tracer: telemetry.Tracer
     routes: RouteTable = field(default_factory=RouteTable)  # model -> provider (none: every call to vLLM)

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from proxy.record.recorder import Recorder
-    from proxy.record.writer_process import WriterProcess
+    from proxy.record.durability import Writer
 
 REGISTRY = CollectorRegistry()
 
@@ -65,7 +64,7 @@ SPOOL_FAILING = Gauge("atdp_spool_failing", "1 while the spool cannot be written
 HEALTHY = Gauge("atdp_healthy", "1 when /healthz answers ok", registry=REGISTRY)
 
 
-def render_metrics(recorder: Recorder | WriterProcess | None = None, lag_limit_s: float = 30.0) -> bytes:
+def render_metrics(recorder: Writer | None = None, lag_limit_s: float = 30.0) -> bytes:
     if recorder is not None:
         health = recorder.health().judge(lag_limit_s)
         QUEUE_DEPTH.set(health.held)

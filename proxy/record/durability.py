@@ -1,6 +1,6 @@
-"""What both writers (in-process thread, child process) share to keep "nothing lost" checkable:
-the ids of steps answered but not yet durable, and the writer's health as `/healthz` and `/metrics`
-report it.
+"""What both writers (in-process thread, child process) share: the `Writer` interface the proxy
+holds them by, and, to keep "nothing lost" checkable, the ids of steps answered but not yet durable
+and the writer's health as `/healthz` and `/metrics` report it.
 
 A step is *durable* once it is committed to PostgreSQL or fsync'd to the spool. Until then the
 proxy holds it (and re-sends or spools it if the writer dies); feedback for it waits for it instead
@@ -14,8 +14,41 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from proxy.record.capture import CapturedStep
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from proxy.record.recorder import Item
+    from proxy.record.spool import Spool
+
+
+class Writer(Protocol):
+    """What the proxy asks of its writer: `proxy.record.recorder.Recorder` (a thread in this process)
+    and `proxy.record.writer_process.WriterProcess` (a supervised child, the default) both are one."""
+
+    inflight: InFlight
+    spool: Spool
+
+    def submit(self, item: Item) -> None: ...  # never blocks, never touches disk
+    def start(self) -> None: ...
+    def connect(self, url: str, factory: sessionmaker[Session]) -> None: ...
+    def use_tokenizer(self, spec: str) -> None: ...
+    def forget(self, tenant: str, *, step_ids: list[str] = ..., content_hashes: list[str] | None = ...,
+               sessions: list[str] = ..., whole_tenant: bool = ..., forgets: list[int] = ...) -> None: ...
+    def catch_up(self) -> None: ...
+    def refusing(self) -> str | None: ...  # why new calls must get 503 now, or None
+    def health(self) -> WriterHealth: ...
+    def flush(self, timeout: float = ...) -> bool: ...
+    def stop(self, timeout: float = ...) -> None: ...
+    @property
+    def pending(self) -> int: ...
+    @property
+    def db_ok(self) -> bool: ...
+    @property
+    def stats(self) -> dict[str, int]: ...
 
 
 class InFlight:

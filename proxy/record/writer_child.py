@@ -1,5 +1,5 @@
 """The writer child's side of `proxy.record.writer_process`: the Recorder it runs, and its main loop
-(receive a batch, make it durable, acknowledge it; see that module for the protocol)."""
+(receive a batch, make it durable, acknowledge it; the messages are `proxy.record.writer_messages`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,22 @@ from proxy.governance.redaction_pool import RedactionPool
 from proxy.governance.tokens import TokenGuard, load_codec, token_policy
 from proxy.record.recorder import CacheSizes, Recorder
 from proxy.record.spool import Spool, adoptable, held
+from proxy.record.writer_messages import (
+    Ack,
+    Batch,
+    CatchUp,
+    Connect,
+    Forget,
+    Idle,
+    Nack,
+    Ready,
+    Stop,
+    ToChild,
+    UseTokenizer,
+    WriterStats,
+)
 
 log = logging.getLogger("atdp.writer")
-
-STATS = ("processed", "written", "spooled", "errors", "adopted")
-
 
 def build_recorder(settings: Settings, policies: Policies, *, redactor: TextRedactor | None = None,
                    inline: bool = False) -> Recorder:
@@ -44,10 +55,6 @@ def build_recorder(settings: Settings, policies: Policies, *, redactor: TextReda
         token_policy=TokenGuard(codec) if codec is not None else token_policy,
         caches=CacheSizes(settings.writer_cache_entries, settings.token_cache_tokens, settings.token_cache_s),
         orphans=orphans, adopt_interval_s=settings.spool_adopt_s)
-
-
-def _child_stats(rec: Recorder) -> dict[str, object]:
-    return {**{k: rec.stats.get(k, 0) for k in STATS}, "db_ok": int(rec.db_ok), "caches": rec.preparer.cache_sizes()}
 
 
 def _settle_heap(rec: Recorder) -> None:
@@ -79,43 +86,43 @@ def child_main(settings: Settings, policies: Policies, inbox: Connection, outbox
     memtrace.start("writer", settings.malloc_trim_s)  # glibc heap upkeep; snapshots when asked
     engine = None
     try:
-        outbox.send(("ready", _child_stats(rec)))
+        outbox.send(Ready(WriterStats.of(rec)))
         while True:
             if not inbox.poll(rec.retry_interval_s):
                 if os.getppid() != parent_pid:  # the proxy died without telling us
                     break
                 rec.drain_spool()
-                outbox.send(("stats", _child_stats(rec)))
+                outbox.send(Idle(WriterStats.of(rec)))
                 continue
             try:
-                msg = inbox.recv()
+                msg: ToChild = inbox.recv()
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "batch":
-                try:
-                    rec.persist_now(msg[2])
-                except Exception as e:
-                    rec.stats["errors"] += 1
-                    outbox.send(("nack", msg[1], db.db_error_reason(e), _child_stats(rec)))  # no row values
-                else:
-                    outbox.send(("ack", msg[1], _child_stats(rec)))
-            elif kind == "connect":
-                if engine is not None:
-                    engine.dispose()
-                engine = db.make_engine(msg[1], custom_plans=True)  # every statement names its sessions
-                rec.connect(msg[1], db.session_factory(engine))
-            elif kind == "forget":
-                rec.forget(msg[1], **msg[2])
-            elif kind == "catch_up":
-                rec.catch_up()
-            elif kind == "tokenizer":
-                try:
-                    rec.use_tokenizer(msg[1])
-                except Exception as e:  # an unreadable tokenizer: keep dropping ids of redacted steps
-                    log.warning("could not load the tokenizer %s: %s: %s", msg[1], type(e).__name__, e)
-            elif kind == "stop":
-                break
+            match msg:
+                case Batch(id=bid, items=items):
+                    try:
+                        rec.persist_now(items)
+                    except Exception as e:
+                        rec.stats["errors"] += 1
+                        outbox.send(Nack(bid, db.db_error_reason(e), WriterStats.of(rec)))  # no row values
+                    else:
+                        outbox.send(Ack(bid, WriterStats.of(rec)))
+                case Connect(url=url):
+                    if engine is not None:
+                        engine.dispose()
+                    engine = db.make_engine(url, custom_plans=True)  # every statement names its sessions
+                    rec.connect(url, db.session_factory(engine))
+                case Forget():
+                    msg.apply(rec)
+                case CatchUp():
+                    rec.catch_up()
+                case UseTokenizer(spec=spec):
+                    try:
+                        rec.use_tokenizer(spec)
+                    except Exception as e:  # an unreadable tokenizer: keep dropping ids of redacted steps
+                        log.warning("could not load the tokenizer %s: %s: %s", spec, type(e).__name__, e)
+                case Stop():
+                    break
     except (BrokenPipeError, EOFError):
         pass  # the parent is gone; everything we acknowledged is durable already
     finally:

@@ -9,7 +9,7 @@ the spool). Until then the parent holds it:
 - the child dies (OOM, kill -9): a supervisor thread restarts it with backoff and re-sends every
   unacknowledged batch. Writes are idempotent by step id (and stored-response id), so a batch the
   dead child had committed but not acknowledged is not duplicated.
-- the child cannot make a batch durable (disk full on the spool): it answers `nack`; the parent
+- the child cannot make a batch durable (disk full on the spool): it answers `Nack`; the parent
   keeps the batch, retries it, and `refusing()` tells the doors to answer 503 until a write works.
 - SIGTERM to the process group (systemd's default): the child ignores it; the parent's shutdown
   waits for every batch to be acknowledged, then stops the child; what is still held then is
@@ -39,7 +39,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -49,7 +48,22 @@ from proxy.record.capture import CapturedStep, held_bytes, shared_parts
 from proxy.record.durability import InFlight, WriterHealth
 from proxy.record.recorder import Item, Recorder
 from proxy.record.spool import Spool
-from proxy.record.writer_child import STATS, build_recorder, child_main
+from proxy.record.writer_child import build_recorder, child_main
+from proxy.record.writer_messages import (
+    Ack,
+    Batch,
+    CatchUp,
+    Connect,
+    Control,
+    Forget,
+    FromChild,
+    Nack,
+    Ready,
+    Stop,
+    ToChild,
+    UseTokenizer,
+    WriterStats,
+)
 
 __all__ = ["WriterProcess", "build_recorder"]  # build_recorder: the in-process mode builds the same one
 
@@ -82,9 +96,7 @@ class WriterProcess:
         self.submitted = 0
         self.restarts = 0
         self.spool_error: str | None = None
-        self._remote_stats: dict[str, int] = dict.fromkeys(STATS, 0)
-        self._remote_caches: dict[str, int] = {}  # the child's bounded caches, as its last message said
-        self._db_ok = False
+        self._remote = WriterStats()  # the child's counters and caches, as its last message said
         self._db_url: str | None = None
         self._spilled = 0
         self._spilling = 0
@@ -109,7 +121,7 @@ class WriterProcess:
         self._to_child: Connection | None = None
         self._receiver: threading.Thread | None = None
         self._send_lock = threading.Lock()  # one writer on the pipe at a time (the sender, _spawn)
-        self._controls: deque[tuple] = deque()  # control messages waiting for the sender thread
+        self._controls: deque[Control] = deque()  # control messages waiting for the sender thread
         self._closing = False  # stop() began: no more restarts
         self._closed = False
 
@@ -170,23 +182,25 @@ class WriterProcess:
         self._db_url = url
         if self._local is not None:
             self._local.factory = factory
-        self._send_control(("connect", url))
+        self._send_control(Connect(url))
 
     def use_tokenizer(self, spec: str) -> None:  # keep cleaned token ids of redacted steps from now on
         self.settings = self.settings.model_copy(update={"tokenizer": spec})  # a restarted child starts with it
-        self._send_control(("tokenizer", spec))
+        self._send_control(UseTokenizer(spec))
         if self._local is not None:
             self._local.use_tokenizer(spec)
 
-    def forget(self, tenant: str, **kw: Any) -> None:
+    def forget(self, tenant: str, *, step_ids: list[str] = (), content_hashes: list[str] | None = None,
+               sessions: list[str] = (), whole_tenant: bool = False, forgets: list[int] = ()) -> None:
         # A lost forget is harmless (a new child's caches are empty; tombstones refuse the steps).
-        self._send_control(("forget", tenant, kw))
+        msg = Forget(tenant, tuple(step_ids), tuple(content_hashes) if content_hashes is not None else None,
+                     tuple(sessions), whole_tenant, tuple(forgets))
+        self._send_control(msg)
         if self._local is not None:
-            self._local.forget(tenant, step_ids=kw.get("step_ids", ()), content_hashes=kw.get("content_hashes"),
-                               forgets=kw.get("forgets", ()))
+            msg.apply(self._local)
 
     def catch_up(self) -> None:  # forgets may have been missed: see Recorder.catch_up
-        self._send_control(("catch_up",))
+        self._send_control(CatchUp())
         if self._local is not None:
             self._local.catch_up()
 
@@ -198,7 +212,7 @@ class WriterProcess:
 
     @property
     def db_ok(self) -> bool:
-        return self._db_ok
+        return self._remote.db_ok
 
     @property
     def pid(self) -> int | None:
@@ -207,7 +221,7 @@ class WriterProcess:
 
     @property
     def stats(self) -> dict[str, int]:
-        out = dict(self._remote_stats)
+        out = self._remote.counts()
         out["submitted"] = self.submitted
         out["spooled"] = out.get("spooled", 0) + self._spilled
         out["overflow"] = self._spilled
@@ -237,7 +251,7 @@ class WriterProcess:
         alive = self._child_up and self._proc is not None and self._proc.is_alive()
         return WriterHealth(mode="process", alive=alive, restarts=self.restarts, held=held,
                             oldest_held_s=time.monotonic() - oldest if oldest is not None else 0.0,
-                            spool_error=self.spool_error, held_bytes=size, caches=self._remote_caches)
+                            spool_error=self.spool_error, held_bytes=size, caches=dict(self._remote.caches))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every item submitted so far is durable (acknowledged or spooled here)."""
@@ -259,7 +273,7 @@ class WriterProcess:
             self._closing = True
             self._cond.notify_all()
         proc = self._proc
-        self._send_control(("stop",))
+        self._send_control(Stop())
         if proc is not None:
             proc.join(10.0)
             if proc.is_alive():
@@ -301,17 +315,17 @@ class WriterProcess:
         receiver.start()
         with self._send_lock:
             if self._db_url is not None:
-                inbox_w.send(("connect", self._db_url))
+                inbox_w.send(Connect(self._db_url))
         with self._cond:
             self._proc, self._to_child, self._receiver = proc, inbox_w, receiver
             self._gen += 1
             self._ready = True
             self._cond.notify_all()
 
-    def _send_control(self, msg: tuple) -> None:
+    def _send_control(self, msg: Control) -> None:
         """Queue a control message (connect, forget, stop) for the sender thread: callers on the event
         loop must never block on a full pipe. A child that is gone never gets it; a restarted one
-        gets "connect" from `_spawn` and has empty caches (a lost "forget" is harmless)."""
+        gets `Connect` from `_spawn` and has empty caches (a lost `Forget` is harmless)."""
         with self._cond:
             self._controls.append(msg)
             self._cond.notify_all()
@@ -325,7 +339,7 @@ class WriterProcess:
                 if self._closed:
                     return
                 if self._controls:
-                    msg: tuple = self._controls.popleft()
+                    msg: ToChild = self._controls.popleft()
                 else:
                     # A short wait lets a burst share one batch (one transaction in the child).
                     deadline = self._pending[0].since + self.settings.flush_interval_s
@@ -337,7 +351,7 @@ class WriterProcess:
                         continue
                     bid = next(self._bids)
                     self._unacked[bid] = batch
-                    msg = ("batch", bid, [h.item for h in batch])
+                    msg = Batch(bid, [h.item for h in batch])
                 conn, gen = self._to_child, self._gen
             try:
                 with self._send_lock:
@@ -348,8 +362,8 @@ class WriterProcess:
                 with self._cond:
                     # The child it was meant for is gone: the batch waits for the next one (the
                     # supervisor restarts it). A newer child may already run: leave it ready.
-                    if msg[0] == "batch":
-                        lost = self._unacked.pop(msg[1], None)
+                    if isinstance(msg, Batch):
+                        lost = self._unacked.pop(msg.id, None)
                         if lost is not None:
                             self._release(lost)
                             self._requeue(lost)
@@ -359,37 +373,35 @@ class WriterProcess:
     def _receive(self, conn: Connection) -> None:
         while True:
             try:
-                msg = conn.recv()
+                msg: FromChild = conn.recv()
             except (EOFError, OSError):
                 conn.close()
                 return
-            kind = msg[0]
-            self._remote_stats = {k: int(msg[-1].get(k, 0)) for k in STATS}
-            self._db_ok = bool(msg[-1].get("db_ok"))
-            self._remote_caches = dict(msg[-1].get("caches") or {})
-            if kind == "ready":
-                self._child_up = True
-            elif kind == "ack":
-                with self._cond:
-                    batch = self._unacked.pop(msg[1], None)
-                    if batch is not None:
-                        self._release(batch)
-                    self._nacks = 0
-                    self._cond.notify_all()
-                self.spool_error = None
-                if batch:
-                    self.inflight.done([h.item for h in batch if isinstance(h.item, CapturedStep)])
-            elif kind == "nack":
-                self.spool_error = msg[2]
-                with self._cond:
-                    batch = self._unacked.pop(msg[1], None)
-                    if batch is not None:
-                        self._release(batch)
-                        self._requeue(batch)
-                    self._nacks += 1
-                    self._retry_at = time.monotonic() + min(5.0, 0.2 * 2 ** min(self._nacks, 5))
-                    self._cond.notify_all()
-                log.error("writer could not make a batch durable (%s); holding it and retrying", msg[2])
+            self._remote = msg.stats
+            match msg:
+                case Ready():
+                    self._child_up = True
+                case Ack(batch=bid):
+                    with self._cond:
+                        batch = self._unacked.pop(bid, None)
+                        if batch is not None:
+                            self._release(batch)
+                        self._nacks = 0
+                        self._cond.notify_all()
+                    self.spool_error = None
+                    if batch:
+                        self.inflight.done([h.item for h in batch if isinstance(h.item, CapturedStep)])
+                case Nack(batch=bid, reason=reason):
+                    self.spool_error = reason
+                    with self._cond:
+                        batch = self._unacked.pop(bid, None)
+                        if batch is not None:
+                            self._release(batch)
+                            self._requeue(batch)
+                        self._nacks += 1
+                        self._retry_at = time.monotonic() + min(5.0, 0.2 * 2 ** min(self._nacks, 5))
+                        self._cond.notify_all()
+                    log.error("writer could not make a batch durable (%s); holding it and retrying", reason)
 
     def _requeue(self, items: list[_Held]) -> None:
         """Put items back to be sent again, in submission order (caller holds _cond)."""
