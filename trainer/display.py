@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trainer.loop import UpdateResult
+from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger("atdp.trainer")
 
@@ -27,9 +25,8 @@ class Display:
         if self.progress is not None:
             self.progress.update(self.task, description=text)
 
-    def update(self, r: UpdateResult) -> None:
-        m = r.metrics
-        line = (f"update {r.update} -> {r.version} [{r.status}] reward {m.get('reward_mean', float('nan')):.3f}"
+    def update(self, update: int, version: str, status: str, m: Mapping[str, Any]) -> None:
+        line = (f"update {update} -> {version} [{status}] reward {m.get('reward_mean', float('nan')):.3f}"
                 f"±{m.get('reward_std', float('nan')):.3f} loss {m['loss']:.4f} clip {m['clip_frac']:.3f} "
                 f"masked {m['masked_frac']:.3f} |Δlogp| {m['mean_abs_logp_diff']:.4f} "
                 f"tok/s {m['tokens_per_s']:.0f} steps {m['steps']} stale {m['stale']}")

@@ -301,7 +301,7 @@ class Controller:
             s.add(t.TrainingUpdate(run_id=self.run_id, version_id=version_id, update=update, metrics=_jsonable(metrics)))
         self.last_update = time.monotonic()
         result = UpdateResult(update=update, version=name, status=outcome.status, metrics=metrics)
-        self.display.update(result)
+        self.display.update(result.update, result.version, result.status, result.metrics)
         return result
 
 

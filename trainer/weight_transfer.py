@@ -31,13 +31,10 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import torch
-
-if TYPE_CHECKING:
-    from trainer.loop import TrainConfig
 
 log = logging.getLogger("atdp.trainer.transfer")
 
@@ -178,9 +175,18 @@ def _send(sender: NcclSender, state: Mapping[str, torch.Tensor], failure: list[B
 _senders: dict[str, NcclSender] = {}
 
 
-def publish_version(cfg: TrainConfig, state: Mapping[str, torch.Tensor], base_dir: Path, checkpoint: Path,
+class PublishConfig(Protocol):
+    """What publishing reads of the trainer's configuration (trainer.loop.TrainConfig has it)."""
+
+    weight_transfer: str  # disk | nccl
+    engine_url: str | None
+    engine_api_key: str | None
+    save_dtype: str
+
+
+def publish_version(cfg: PublishConfig, state: Mapping[str, torch.Tensor], base_dir: Path, checkpoint: Path,
                     request: Callable[[], Any]) -> Any:
-    """The trainer's publish step (`cfg`: trainer.loop.TrainConfig): `request()` alone (disk), or with
+    """The trainer's publish step: `request()` alone (disk), or with
     the weights broadcast when `cfg.weight_transfer` is nccl and the engine's group can be joined."""
     if cfg.weight_transfer != "nccl" or not cfg.engine_url:
         return request()

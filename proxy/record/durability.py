@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from proxy.record.capture import CapturedStep
+from proxy.store.write import SealedResponse
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
-    from proxy.record.recorder import Item
     from proxy.record.spool import Spool
+
+Item = CapturedStep | SealedResponse  # what a writer takes: captured steps, sealed /v1/responses conversations
 
 
 class Writer(Protocol):

@@ -27,9 +27,9 @@ from proxy.lru import LRU, content_key, id_key
 from proxy.record.capture import CapturedStep, SessionRef
 from proxy.store import tables as t
 from proxy.store.content import content_hash, keyed
+from proxy.store.records import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
 from proxy.store.texts import ENCODED_KINDS, encode
 from proxy.store.tokens import TRAINABLE_SOURCES, common_prefix, rle, step_versions
-from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
 
 TokenPolicy = Callable[..., TokenDecision]
 

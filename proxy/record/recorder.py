@@ -27,26 +27,19 @@ from proxy.governance.policy import TenantPolicy
 from proxy.governance.redaction import TextRedactor
 from proxy.governance.tokens import TokenGuard, load_codec
 from proxy.record.capture import CapturedStep
-from proxy.record.durability import InFlight, WriterHealth
+from proxy.record.durability import InFlight, Item, WriterHealth
 from proxy.record.prepare import CacheSizes, Preparer, TokenPolicy
 from proxy.record.spool import Spool, adopted
 from proxy.store.db import db_error_reason
 from proxy.store.forgets import StaleContents, counts
 from proxy.store.ids import new_id
-from proxy.store.write import (
-    SealedResponse,
-    SessionInfo,
-    StepRecord,
-    record_from_json,
-    write_sealed_responses,
-    write_steps,
-)
+from proxy.store.records import SessionInfo, StepRecord
+from proxy.store.write import SealedResponse, record_from_json, write_sealed_responses, write_steps
 
 log = logging.getLogger("atdp.writer")
 
 
 ADOPT_RECORDS = 4096  # records of other processes' spool folders written per look (Recorder.adopt)
-Item = CapturedStep | SealedResponse  # what the writer takes: captured steps, sealed /v1/responses conversations
 Record = StepRecord | SealedResponse  # what it writes (or spools): every text in it already redacted (or sealed)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.record.recorder import Item, Recorder
+from proxy.record.durability import Item
+from proxy.record.recorder import Recorder
 
 # -- parent -> child -----------------------------------------------------------------------------
 

@@ -45,8 +45,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from proxy.config import Settings
 from proxy.governance.policies import Policies
 from proxy.record.capture import CapturedStep, held_bytes, shared_parts
-from proxy.record.durability import InFlight, WriterHealth
-from proxy.record.recorder import Item, Recorder
+from proxy.record.durability import InFlight, Item, WriterHealth
+from proxy.record.recorder import Recorder
 from proxy.record.spool import Spool
 from proxy.record.writer_child import build_recorder, child_main
 from proxy.record.writer_messages import (

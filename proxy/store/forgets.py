@@ -29,7 +29,7 @@ from proxy.store.copy import text_array
 from proxy.store.texts import ENCODED_KINDS, refs
 
 if TYPE_CHECKING:
-    from proxy.store.write import ContentRow, StepRecord
+    from proxy.store.records import ContentRow, StepRecord
 
 log = logging.getLogger("atdp.store")
 

@@ -1,7 +1,7 @@
 """Writing ATDP records: a batch of redacted step records in one transaction.
 
-A `StepRecord` is what leaves the redaction stage: every text in it is already redacted, so it may
-go to PostgreSQL or, when the database is away, to the spool. It is plain JSON-able data.
+A `StepRecord` (`proxy.store.records`) is what leaves the redaction stage: every text in it is
+already redacted, so it may go to PostgreSQL or, when the database is away, to the spool.
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from __future__ import annotations
 import base64
 import logging
 import math
-from array import array
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -21,7 +20,6 @@ from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from atdp_schema.models import Eligibility
 from proxy.store import tables as t
 from proxy.store.copy import (
     binary_float4s,
@@ -37,113 +35,10 @@ from proxy.store.copy import (
     timestamp_array,
 )
 from proxy.store.forgets import check_references, lock_tenants
+from proxy.store.records import ContentRow, StepRecord
 from proxy.store.texts import ENCODED_KINDS, escape, refs
 
 log = logging.getLogger("atdp.store")
-
-
-@dataclass
-class ContentRow:
-    hash: str
-    kind: str  # message | system | tools | output | text
-    body: Any  # redacted
-    size: int
-    redaction: dict[str, int] = field(default_factory=dict)
-    # Body already in stored form (proxy.store.texts.encode); False (older spooled records, replay):
-    # a body of an encoded kind is escaped on write.
-    encoded: bool = False
-
-
-@dataclass
-class ToolCallRow:
-    call_id: str
-    name: str
-    arguments: Any  # redacted
-
-
-@dataclass
-class ToolResultRow:
-    call_id: str
-    result_hash: str | None
-    is_error: bool = False
-
-
-@dataclass
-class SessionInfo:
-    tenant_id: str
-    external_id: str
-    client: str | None = None
-    client_info: dict[str, Any] = field(default_factory=dict)
-    task_id: str | None = None
-    labels: dict[str, Any] = field(default_factory=dict)
-    replay_of: str | None = None  # internal id of the original session
-
-
-@dataclass
-class StepRecord:
-    id: str
-    session: SessionInfo
-    api: str
-    status: str
-    started_at: datetime
-    parent_step_id: str | None = None
-    error: dict[str, Any] | None = None
-    upstream: str | None = None
-    model: str | None = None
-    model_version: str | None = None
-    system_hash: str | None = None
-    tools_hash: str | None = None
-    history_len: int = 0
-    message_hashes: list[str] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
-    transcript_hash: str | None = None
-    output_hash: str | None = None
-    contents: list[ContentRow] = field(default_factory=list)
-    tool_calls: list[ToolCallRow] = field(default_factory=list)
-    tool_results: list[ToolResultRow] = field(default_factory=list)
-    token_source: str = "none"
-    prompt_prefix_len: int = 0
-    # Lists, or the capture's machine arrays (`array`) as the writer passes them on.
-    prompt_token_ids: Sequence[int] = field(default_factory=list)  # suffix after prompt_prefix_len
-    output_token_ids: Sequence[int] = field(default_factory=list)
-    output_logprobs: Sequence[float] = field(default_factory=list)
-    output_versions: list[list[Any]] = field(default_factory=list)  # [[version_id, count], ...]
-    output_mask: list[int] | None = None
-    prompt_path: str | None = None  # tito | rendered (proxy.tito); None: a provider call
-    finish_reason: str | None = None
-    ttft_ms: float | None = None
-    total_ms: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost: float | None = None
-    redaction: dict[str, int] = field(default_factory=dict)
-    eligibility: str = Eligibility.eligible
-    eligibility_reason: str = ""
-    visibility: str = "tenant"
-    retention_until: datetime | None = None
-    replay_of: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in _ARRAY_FIELDS:  # the writer's machine arrays as JSON lists (the spool)
-            if isinstance(data[key], array):
-                data[key] = data[key].tolist()
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> StepRecord:
-        data = dict(data)
-        data["session"] = SessionInfo(**data["session"])
-        data["contents"] = [ContentRow(**c) for c in data.get("contents", [])]
-        data["tool_calls"] = [ToolCallRow(**c) for c in data.get("tool_calls", [])]
-        data["tool_results"] = [ToolResultRow(**c) for c in data.get("tool_results", [])]
-        for key in ("started_at", "retention_until"):
-            if isinstance(data.get(key), str):
-                data[key] = datetime.fromisoformat(data[key])
-        return cls(**data)
-
-
-_ARRAY_FIELDS = ("prompt_token_ids", "output_token_ids", "output_logprobs", "output_mask")
 
 
 def pg_safe(value: Any) -> Any:

@@ -51,7 +51,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from proxy.record import deadletters
     from proxy.store import db
     from proxy.store.ids import new_id
-    from proxy.store.write import StepRecord, write_steps
+    from proxy.store.records import StepRecord
+    from proxy.store.write import write_steps
 
     settings = load_settings()
     match = _selected(args)

@@ -50,8 +50,9 @@ def replay_session(factory: sessionmaker[Session], session_id: str, *, tenant: s
     from proxy.store.content import canonical, content_hash
     from proxy.store.ids import new_id
     from proxy.store.read import find_session, load_contents
+    from proxy.store.records import ContentRow, SessionInfo, ToolCallRow
     from proxy.store.tokens import common_prefix
-    from proxy.store.write import ContentRow, SessionInfo, ToolCallRow, write_steps
+    from proxy.store.write import write_steps
 
     with factory() as s:
         original = find_session(s, session_id, tenant)

@@ -29,7 +29,7 @@ from proxy.record import deadletters
 from proxy.record.spool import Spool, claim_folder
 from proxy.store import tables as t
 from proxy.store.ids import new_id
-from proxy.store.write import SessionInfo, StepRecord
+from proxy.store.records import SessionInfo, StepRecord
 
 MARK = "PII-MARK-0815"
 ADMIN = {"authorization": "Bearer admin-test-key"}

@@ -16,7 +16,8 @@ from proxy.store import tables as t
 from proxy.store.content import content_hash
 from proxy.store.ids import new_id, uuid7_at
 from proxy.store.read import session_document
-from proxy.store.write import ToolCallRow, ToolResultRow, write_steps
+from proxy.store.records import ToolCallRow, ToolResultRow
+from proxy.store.write import write_steps
 from tests.integration.test_store import SECRET, _record
 
 NOW = datetime.now(UTC)  # set again before each test (_today)

@@ -235,7 +235,7 @@ def test_a_record_the_database_refuses_is_set_aside_not_blocking(start_proxy, fa
     proxy.flush()
     # A record PostgreSQL cannot take (a token id beyond int4), then ordinary traffic.
     from proxy.store.ids import new_id
-    from proxy.store.write import SessionInfo, StepRecord
+    from proxy.store.records import SessionInfo, StepRecord
 
     with factory() as s:
         row = t.get_step(s, good.headers["x-atdp-step-id"])

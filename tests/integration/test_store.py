@@ -23,8 +23,9 @@ from proxy.store.content import canonical, content_hash
 from proxy.store.ids import new_id, uuid7
 from proxy.store.partitions import include_object
 from proxy.store.read import session_document
+from proxy.store.records import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
 from proxy.store.tokens import rle
-from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, write_steps
+from proxy.store.write import write_steps
 
 SECRET = b"test-secret"
 

@@ -11,7 +11,8 @@ from sqlalchemy import select, text
 from proxy.store import db
 from proxy.store import tables as t
 from proxy.store.ids import new_id
-from proxy.store.write import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow, write_steps
+from proxy.store.records import ContentRow, SessionInfo, StepRecord, ToolCallRow, ToolResultRow
+from proxy.store.write import write_steps
 
 AWKWARD = 'tab\there, newline\nthere, back\\slash, "quotes", comma, {braces}, \\N, é, 🙂'
 ODD_HASH = 'odd"ha,sh\\x {}\\N é🙂'  # fits varchar(64)

@@ -140,7 +140,7 @@ def test_the_record_keeps_the_captured_arrays_and_spools_as_lists(redactor: Reda
     back per step); the spool's JSON still holds plain lists, and reads back to the same record."""
     import orjson
 
-    from proxy.store.write import StepRecord
+    from proxy.store.records import StepRecord
 
     parent = step(messages=[{"role": "user", "content": "hi"}], prompt="hi there")
     child = step(messages=[{"role": "user", "content": "more"}], prompt="hi thereok and more", parent=parent.step_id)
