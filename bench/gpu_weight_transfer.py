@@ -8,7 +8,7 @@ What it does, in about 2-5 minutes (the engine's cold start dominates):
 1. builds the tiny seed-0 and seed-1 checkpoints (proxy.demo.model_zoo; no download) and starts vLLM
    on GPU 0 with the seed-0 weights, dev mode and `--weight-transfer-config {"backend":"nccl"}`;
 2. records the greedy answers of a few prompts, then reloads seed 1 from disk through the proxy's
-   own code (proxy.control.engine_weights, keep mode) for the reference answers and the disk
+   own code (proxy.rollout.engine_weights, keep mode) for the reference answers and the disk
    window, and goes back to seed 0;
 3. starts a trainer process (the vLLM python, GPU 1) that loads the seed-1 weights, joins the
    engine's group (trainer.weight_transfer.NcclSender.connect) and writes `weight_transfer.json`;
@@ -72,7 +72,7 @@ def greedy(base_url: str) -> list[str]:
 
 
 async def proxy_update(base_url: str, source, fallback) -> dict:
-    from proxy.control.engine_weights import update
+    from proxy.rollout.engine_weights import update
     from proxy.upstream import ReplicaPool
 
     replica = ReplicaPool([base_url]).replicas[0]
@@ -85,9 +85,9 @@ def main() -> int:
     import shutil
     import tempfile
 
-    from proxy.control.engine_weights import from_checkpoint, source_for
     from proxy.demo.model_zoo import cached_tiny_model
     from proxy.demo.vllm import VLLMServer, free_port
+    from proxy.rollout.engine_weights import from_checkpoint, source_for
 
     p = argparse.ArgumentParser()
     p.add_argument("--vllm-python", required=True, help="a python with a CUDA build of vLLM 0.32")

@@ -4,7 +4,7 @@ A watcher process of its own sleeps 10 ms at a time and notes each wake-up more 
 seconds late: a process that is not scheduled (a stop of the whole process, not of one thread). Meanwhile
 vLLM (CPU, tiny model) answers `--calls` requests of `--tokens` tokens one at a time (`ignore_eos`),
 streamed or not, each after a keep-mode update when `--swap` (the proxy's sequence,
-`proxy.control.engine_weights.update`, with the engine frozen before the request reaches it).
+`proxy.rollout.engine_weights.update`, with the engine frozen before the request reaches it).
 Prints each call's span and the stops.
 
   python bench/machine_stalls.py [--calls 4] [--tokens 1500] [--no-stream] [--swap]
@@ -49,7 +49,7 @@ def answer(base: str, tokens: int, stream: bool) -> None:
 
 
 def swap(base: str, checkpoint: str, name: str) -> None:
-    from proxy.control.engine_weights import from_checkpoint, update
+    from proxy.rollout.engine_weights import from_checkpoint, update
     from proxy.upstream import ReplicaPool
 
     async def go() -> None:

@@ -9,8 +9,8 @@ three ways of putting them in place in each round (no proxy, no traffic):
              proxy's sequence before the tag went beside the reload)
     sleep    `/sleep?level=0`, then the prefix reset, the reload and the tag together, `/resume`
              (the proxy's sequence for an engine without the extension)
-    one      the proxy's way now (`proxy.control.engine_weights.update`): the same engine calls in
-             one request, `POST /atdp/update_weights` (proxy/control/vllm_ext/atdp_update.py)
+    one      the proxy's way now (`proxy.rollout.engine_weights.update`): the same engine calls in
+             one request, `POST /atdp/update_weights` (proxy/rollout/vllm_ext/atdp_update.py)
 The window is from sending the pause to `/resume` answered: what a request in flight waits; for
 `one`, from sending the request to its answer, which holds the engine's pause inside it.
 
@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.control.engine_weights import Routes, from_checkpoint, update  # noqa: E402
+from proxy.rollout.engine_weights import Routes, from_checkpoint, update  # noqa: E402
 from proxy.upstream import ReplicaPool  # noqa: E402
 
 

@@ -25,9 +25,7 @@ from starlette.types import ASGIApp, ExceptionHandler, Message, Receive, Scope, 
 from proxy import logs, memtrace, openapi, providers, telemetry
 from proxy.config import Settings
 from proxy.console import routes as console
-from proxy.control import admin, canary, canarybus, diagnosis, feedback, gates, overview, sessions, versions
-from proxy.control.swap import Versions
-from proxy.control.swapbus import SwapBus
+from proxy.control import admin, diagnosis, feedback, overview, sessions, versions
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
 from proxy.errors import ApiError, error_response, flavor_for_path
@@ -38,6 +36,9 @@ from proxy.governance.redaction import LazyRedactor, TextRedactor
 from proxy.http import Endpoint, Route, json_response, log_exception, run_db
 from proxy.record.durability import Writer
 from proxy.record.writer_process import WriterProcess, build_recorder
+from proxy.rollout import canary, canarybus, gates
+from proxy.rollout.swap import Versions
+from proxy.rollout.swapbus import SwapBus
 from proxy.sessions import ContinuationIndex, StepLink
 from proxy.state import AppState
 from proxy.store import db, partitions
@@ -145,7 +146,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             state.stopping.set()
             for task in tasks:
                 task.cancel()
-            if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.control.canary)
+            if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.rollout.canary)
                 swaps.canary_task.cancel()
             if state.presence is not None:
                 await state.presence.close()
@@ -248,7 +249,7 @@ def _healthz(state: AppState, swaps: Versions, ner: NerStatus) -> Endpoint:
             "problems": writer.problems,
             "worker": state.settings.worker,  # which of `atdp serve --workers N` answered (0: a single proxy)
             "database": bool(state.factory is not None and r.db_ok),
-            # Following other proxies' swaps (proxy.control.swapbus); null when ATDP_SHARED_SWAPS is off.
+            # Following other proxies' swaps (proxy.rollout.swapbus); null when ATDP_SHARED_SWAPS is off.
             "swap_listener": bus.ready.is_set() if bus is not None else (False if state.settings.shared_swaps else None),
             # Continuation links (proxy.store.links): shared while other proxies are on the database
             # (peers: those counted at the last look; null with ATDP_SHARED_LINKS=0).
@@ -381,7 +382,7 @@ async def _start_presence(state: AppState) -> None:
 
 
 async def _start_swap_bus(state: AppState, swaps: Versions) -> None:
-    """Follow other proxies' swaps once the database is there (proxy.control.swapbus)."""
+    """Follow other proxies' swaps once the database is there (proxy.rollout.swapbus)."""
     while swaps.bus is None:
         if state.stopping.is_set():
             return

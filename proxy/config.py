@@ -166,7 +166,7 @@ class Settings(BaseSettings):
     # not trained on (docs/architecture.md, "Weight swaps").
     swap_mode: Literal["drain", "keep"] = "drain"
     # disk: the engine reloads a checkpoint folder. nccl: the trainer broadcasts its weights into the
-    # engine over vLLM's weight transfer engine (GPU only; proxy.control.engine_weights).
+    # engine over vLLM's weight transfer engine (GPU only; proxy.rollout.engine_weights).
     weight_transfer: Literal["disk", "nccl"] = "disk"
     # Folders `POST /atdp/v1/versions` may name checkpoints under (comma-separated); unset: the
     # trainer's checkpoint folder, ATDP_HOME/checkpoints. Anything else is a 400: the proxy would
@@ -230,7 +230,7 @@ class Settings(BaseSettings):
     # 60 s. Alone for 30 s: lone again (no round trip per call). 1: always shared; 0: never (such a
     # proxy is not counted by the others).
     shared_links: bool | None = None
-    # Swaps close every proxy's gate (proxy.control.swapbus: advisory locks, LISTEN/NOTIFY).
+    # Swaps close every proxy's gate (proxy.rollout.swapbus: advisory locks, LISTEN/NOTIFY).
     shared_swaps: bool = True
     shared_timeout_s: float = Field(default=0.5, gt=0.0)  # the most either costs a call
     # How long a proxy waits for a `previous_response_id` another proxy served to reach the database

@@ -78,14 +78,14 @@ class Replica:
     dead_until: float = 0.0  # monotonic time before which we don't try it again
     failures: int = 0
     draining_until: float = 0.0  # monotonic end of a swap's wait for this replica's in-flight calls
-    # Keep-mode swap windows (proxy.control.swap): how many began, whether one is open now, and the
+    # Keep-mode swap windows (proxy.rollout.swap): how many began, whether one is open now, and the
     # versions on either side of the latest one. A window opens before the engine pauses and closes
     # once `version` names the new weights.
     swap_epoch: int = 0
     in_swap: bool = False
     previous_version: str | None = None
     next_version: str | None = None
-    # Whether the engine serves the one-request weight update (proxy.control.engine_weights); None:
+    # Whether the engine serves the one-request weight update (proxy.rollout.engine_weights); None:
     # not asked yet.
     update_route: bool | None = None
     _open: asyncio.Event = field(default_factory=asyncio.Event)

@@ -14,9 +14,9 @@ from starlette.applications import Starlette
 
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.control.swap import Versions
 from proxy.doors.response_store import ResponseStore
 from proxy.governance.redaction import RedactionConfig, Redactor
+from proxy.rollout.swap import Versions
 from proxy.state import AppState
 from proxy.store import tables as t
 from tests.fake_vllm import FakeVLLM, ServerThread

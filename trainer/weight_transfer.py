@@ -10,7 +10,7 @@ from disk (`reload_weights`), it receives them from this process over NCCL.
    block until the other arrives.
 2. Each version: write `weight_transfer.json` (`TRANSFER_FILE`, the tensors' names, dtypes and
    shapes in sending order) next to the checkpoint, POST the version to the proxy in a thread and
-   broadcast the same tensors. The proxy's swap (proxy.control.engine_weights.from_transfer) pauses
+   broadcast the same tensors. The proxy's swap (proxy.rollout.engine_weights.from_transfer) pauses
    the engine, calls `/start_weight_update`, `/update_weights` with that file's update info (the
    engine's workers receive while this process sends), `/finish_weight_update` with the version's
    name, and resumes.
@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger("atdp.trainer.transfer")
 
-TRANSFER_FILE = "weight_transfer.json"  # read by proxy.control.engine_weights (same name)
+TRANSFER_FILE = "weight_transfer.json"  # read by proxy.rollout.engine_weights (same name)
 
 
 def update_info(state: Mapping[str, torch.Tensor]) -> dict[str, list]:

@@ -4,7 +4,7 @@ Routes (admin key; POST also a key scoped `versions:write`, the trainer's):
 - `GET /atdp/v1/versions`: every version, newest first, and what each replica serves now.
 - `POST /atdp/v1/versions` `{"checkpoint": DIR, "name"?, "parent"?, "promote"?: "now", "reason"?,
   "wait"?: bool}`: registers the checkpoint as a `candidate` (or finds it by name) and starts its gates
-  in the background (proxy.control.gates): 202 with the version; gates passed -> `canary` (when the
+  in the background (proxy.rollout.gates): 202 with the version; gates passed -> `canary` (when the
   canary is on; then `serving` or `rolled_back`) or `serving`, failed -> `rejected`. `"wait": true` answers when the gates (and the swap) are done.
   `"promote": "now"` is the operator override: audited (`version.promote_override`: who, when, why),
   shown on the card, and swaps at once as before the gates existed; also how a retired version is
@@ -13,9 +13,9 @@ Routes (admin key; POST also a key scoped `versions:write`, the trainer's):
 - `GET /atdp/v1/versions/{id}/card`: the version card (proxy.store.cards).
 - `POST /atdp/v1/versions/{id}/rollback`: the serving version is left (`rolled_back`) and the one
   that served before it is restored (`serving`), by the same swap. On a version in `canary`, ends
-  its canary: its replica group gets the serving weights back (proxy.control.canary).
+  its canary: its replica group gets the serving weights back (proxy.rollout.canary).
 
-The swap itself (gate, drain, reload, restore on failure) is `proxy.control.swap`; the version rows
+The swap itself (gate, drain, reload, restore on failure) is `proxy.rollout.swap`; the version rows
 it moves are `proxy.store.versions`.
 
 Who writes what: a trainer inserts its version row (`candidate`) together with its lineage and the
@@ -39,11 +39,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from atdp_schema.models import VersionStatus
-from proxy.control.canary import rollback_now
-from proxy.control.gates import run_gates
-from proxy.control.swap import Versions
 from proxy.errors import ApiError
 from proxy.http import Endpoint, Route, json_response, path_id, read_json, run_db
+from proxy.rollout.canary import rollback_now
+from proxy.rollout.gates import run_gates
+from proxy.rollout.swap import Versions
 from proxy.shapes import id_problem, text_problem
 from proxy.state import AppState
 from proxy.store import tables as t

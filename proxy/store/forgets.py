@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("atdp.store")
 
 # The (class, key) form of PostgreSQL's advisory locks: its keys never meet the single-bigint keys
-# the swap and canary buses take (proxy.control.swapbus, canarybus).
+# the swap and canary buses take (proxy.rollout.swapbus, canarybus).
 LOCK_CLASS = 0x61746470 & 0x7FFFFFFF  # "atdp"
 
 # Each distinct key once, in key order: two transactions over the same tenants, or over tenants whose

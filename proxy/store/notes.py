@@ -1,6 +1,6 @@
 """Notes every proxy on one database hears: PostgreSQL's LISTEN/NOTIFY on one channel.
 
-Swaps and canaries (proxy.control.swapbus, canarybus) and forgets (proxy.governance.forget) announce
+Swaps and canaries (proxy.rollout.swapbus, canarybus) and forgets (proxy.governance.forget) announce
 on it. A note queued with `NOTIFY` inside a transaction is delivered when, and only if, it commits.
 """
 

@@ -9,8 +9,8 @@ single proxy does), so a clean shutdown loses no step.
 
 With N > 1 the continuation links are shared (`ATDP_SHARED_LINKS=1`, whatever the environment
 says): a client that sends no id reaches any worker on its next call, and only the database knows
-the turn another worker served. Swaps already close every worker's gate (proxy.control.swapbus),
-and a canary's routing is read by all (proxy.control.canarybus).
+the turn another worker served. Swaps already close every worker's gate (proxy.rollout.swapbus),
+and a canary's routing is read by all (proxy.rollout.canarybus).
 
 Writers are not shared: a worker holds every step until its own child acknowledges it durable, and
 that protocol is a pipe between the two. One writer per worker also scales the redaction and the

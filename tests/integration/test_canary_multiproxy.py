@@ -20,7 +20,7 @@ import time
 import httpx
 from sqlalchemy import select
 
-from proxy.control import canary
+from proxy.rollout import canary
 from proxy.store import tables as t
 from tests.fake_vllm import FakeVLLM, ServerThread
 

@@ -119,7 +119,7 @@ def test_a_second_driver_is_refused_while_one_swaps(start_proxy, own_db, fake_up
     # Hold the driver lock from outside (as a swapping proxy would) and ask b to swap.
     import psycopg
 
-    from proxy.control.swapbus import DRIVER_KEY
+    from proxy.rollout.swapbus import DRIVER_KEY
     from proxy.store.links import libpq_url
 
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:

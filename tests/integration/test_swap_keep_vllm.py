@@ -104,7 +104,7 @@ def test_keep_swap_under_load_fails_nothing_and_never_stamps_a_spanning_call_wit
         assert r.status_code == 200, r.text
         swap = r.json()["swap"]
         assert swap["ok"] and swap["replicas"][0]["mode"] == "keep", swap
-        # the engine serves the one-request update (proxy/control/vllm_ext: VLLMServer loads it)
+        # the engine serves the one-request update (proxy/rollout/vllm_ext: VLLMServer loads it)
         assert "atdp/update_weights" in swap["replicas"][0]["routes_s"], swap
         n = len(calls)
         while len(calls) < n + 6:  # traffic on the new weights too

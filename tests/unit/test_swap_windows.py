@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from atdp_schema.models import Eligibility
-from proxy.control.engine_weights import SwapError, load_weights
 from proxy.governance.policy import TenantPolicy, decide_eligibility
+from proxy.rollout.engine_weights import SwapError, load_weights
 from proxy.store.tokens import step_versions
 from proxy.upstream import ReplicaPool
 
@@ -131,7 +131,7 @@ def test_drain_mode_waits_and_always_resumes():
     engine = Engine(fail="/ckpt/v1")
     with pytest.raises(SwapError):
         _run(engine, "/ckpt/v1")
-    # drain: the caller restores behind its closed gate (proxy.control.swap); the engine is never left paused
+    # drain: the caller restores behind its closed gate (proxy.rollout.swap); the engine is never left paused
     # (its restore tags the old version again: tests/integration/test_versions.py)
     assert engine.calls == ["pause:wait", "reset", "reload:bad", "tag:v1", "resume"]
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from proxy.control.swapbus import SwapBus
 from proxy.errors import ApiError
+from proxy.rollout.swapbus import SwapBus
 from proxy.upstream import ReplicaPool
 
 

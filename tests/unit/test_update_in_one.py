@@ -1,6 +1,6 @@
 """The one-request weight update: the extension vLLM's API server loads
-(`proxy/control/vllm_ext/atdp_update.py`, driven here through Starlette with a recording engine
-client in place of vLLM's), and the proxy's use of it (`proxy.control.engine_weights.update`, against
+(`proxy/rollout/vllm_ext/atdp_update.py`, driven here through Starlette with a recording engine
+client in place of vLLM's), and the proxy's use of it (`proxy.rollout.engine_weights.update`, against
 a scripted engine). The real engine serves it in tests/integration/test_swap_keep_vllm.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from proxy.control.engine_weights import SwapError, from_checkpoint, from_transfer, update
-from proxy.control.vllm_ext import atdp_update
+from proxy.rollout.engine_weights import SwapError, from_checkpoint, from_transfer, update
+from proxy.rollout.vllm_ext import atdp_update
 from proxy.upstream import ReplicaPool
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from proxy.control.engine_weights import SwapError, from_checkpoint, source_for, transfer_info, update
+from proxy.rollout.engine_weights import SwapError, from_checkpoint, source_for, transfer_info, update
 from proxy.upstream import ReplicaPool
 from trainer import weight_transfer as wt
 

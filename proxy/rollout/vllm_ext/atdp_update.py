@@ -2,7 +2,7 @@
 
 Loaded with `--middleware atdp_update.AtdpUpdate` and this folder on the server's PYTHONPATH
 (`proxy.demo.vllm.VLLMServer` does both). It imports nothing from atdp: it runs in vLLM's own
-environment. `POST /atdp/update_weights` does what `proxy.control.engine_weights.update` does with
+environment. `POST /atdp/update_weights` does what `proxy.rollout.engine_weights.update` does with
 five dev-mode routes (pause with `/sleep?level=0`, prefix reset, reload, version tag, `/resume`)
 with the same engine calls in one request, so the engine is paused for one HTTP round trip instead
 of three: on a 2-core EPYC each route costs about 2-2.5 ms, around a 13 ms reload of the tiny model.

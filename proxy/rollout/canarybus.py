@@ -1,4 +1,4 @@
-"""A canary's routing on every proxy of one database (gate 3 across proxies; proxy.control.swapbus).
+"""A canary's routing on every proxy of one database (gate 3 across proxies; proxy.rollout.swapbus).
 
 The proxy that begins a canary (or concludes it) announces it on the swap channel: `canary` with
 the candidate's version id and whether it is now active. Every other proxy then reads the canary
@@ -6,7 +6,7 @@ row (proxy.store.canary.active_canary) and routes new sessions by its arms, or s
 session's arm is a row of `canary_sessions`, written by whichever proxy serves its first call, so
 every proxy keeps it on the same arm. When a proxy's listener (re)connects it reads the row again,
 in case it missed an announcement. Every proxy that routes a canary runs its monitor (the decision):
-the one that began it, one started while it runs (proxy.control.canary.resume), and one that heard
+the one that began it, one started while it runs (proxy.rollout.canary.resume), and one that heard
 of it here. A monitor decides only while it holds the monitor lock (`sole_monitor`, an advisory
 lock), so one decides at a time and another takes over when that proxy goes away, even for good (a
 replica scaled down).
@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator, Callable
 
 import psycopg
 
-from proxy.control.swap import Versions
-from proxy.control.swapbus import lock_key
 from proxy.http import run_db
+from proxy.rollout.swap import Versions
+from proxy.rollout.swapbus import lock_key
 from proxy.state import AppState
 from proxy.store.canary import CanaryRef, active_canary
 
@@ -35,7 +35,7 @@ MONITOR_KEY = lock_key("canary-monitor")
 
 def attach(state: AppState, versions: Versions, monitor: Callable[[CanaryRef], None]) -> None:
     """Follow other proxies' canaries (called once the swap bus exists); `monitor(ref)` starts this
-    proxy's monitor of a canary it now routes (proxy.control.canary.start_monitor)."""
+    proxy's monitor of a canary it now routes (proxy.rollout.canary.start_monitor)."""
     bus = versions.bus
     assert bus is not None
 

@@ -1,6 +1,6 @@
 """A candidate's gates, run in the background after `POST /atdp/v1/versions`, then its promotion.
 
-candidate -> evaluating -> (gates) -> canary (proxy.control.canary, when it is on) or serving, or ->
+candidate -> evaluating -> (gates) -> canary (proxy.rollout.canary, when it is on) or serving, or ->
 rejected. With the canary off a candidate whose gates pass is promoted to every replica directly.
 
 Gate 1, replay evaluation (`replay_eval`): the evaluation set (proxy.evaluation.cases: operator suites
@@ -29,7 +29,7 @@ single-replica install calls wait for it (up to ATDP_SWAP_HOLD_TIMEOUT_S), like 
 
 A candidate is `evaluating` from the moment its gates are asked for (also while it waits for another
 candidate's gates), so a proxy that stops leaves it `evaluating`; `resume_gates` runs its gates again
-when the proxy starts (the engine got the serving weights back at start-up, proxy.control.swap).
+when the proxy starts (the engine got the serving weights back at start-up, proxy.rollout.swap).
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ import httpx
 from sqlalchemy import select
 
 from atdp_schema.models import GateState, VersionStatus
-from proxy.control.canary import begin as begin_canary
-from proxy.control.canary import wait_for_canary
-from proxy.control.engine_weights import load_weights
-from proxy.control.swap import Versions
 from proxy.evaluation import safety
 from proxy.evaluation.cases import Answer, EvalCase, EvalSet, SuiteError, add_held_out, load_suites
 from proxy.evaluation.evaluators import EvaluatorError, Registry
 from proxy.evaluation.stats import RESAMPLES, SEED, Pair, decide
 from proxy.http import run_db
+from proxy.rollout.canary import begin as begin_canary
+from proxy.rollout.canary import wait_for_canary
+from proxy.rollout.engine_weights import load_weights
+from proxy.rollout.swap import Versions
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.versions import (

@@ -12,7 +12,7 @@ weights back). docs/control-plane.md has the rules and the formula.
 - `conclude`: promote (swap the other replicas, the candidate serves) or roll back (swap the group
   back; the candidate is `rolled_back`, its steps released). The routing closes first, so calls
   never wait on a group that is leaving; in-flight calls drain before any replica reloads.
-- `resume`: after a restart, the canary recorded in PostgreSQL goes on (proxy.control.swap's start-up
+- `resume`: after a restart, the canary recorded in PostgreSQL goes on (proxy.rollout.swap's start-up
   has stamped the group's replicas and reopened the routing).
 """
 
@@ -28,10 +28,10 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from atdp_schema.models import GateState, VersionStatus
-from proxy.control import canarybus
-from proxy.control.swap import Versions
 from proxy.evaluation.sequential import Margins, Observation, decide, radius
 from proxy.http import run_db
+from proxy.rollout import canarybus
+from proxy.rollout.swap import Versions
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.canary import (
@@ -118,7 +118,7 @@ def start_monitor(state: AppState, versions: Versions, ref: CanaryRef) -> None:
 async def resume(state: AppState, versions: Versions) -> None:
     """At start-up: once the versions are loaded, the canary that was running then goes on being
     monitored, unless the swap channel's listener started a monitor of it first (one canary at a
-    time; proxy.control.canarybus.sync monitors a canary heard of there)."""
+    time; proxy.rollout.canarybus.sync monitors a canary heard of there)."""
     while not versions.ready.is_set():  # polled: a thread blocked on the event would outlive shutdown
         await asyncio.sleep(0.5)
     ref, found = state.canary.active, versions.canary_at_start

@@ -64,7 +64,7 @@ class SwapBus:
         self._locks: psycopg.AsyncConnection | None = None
         self._relock: dict[str, asyncio.Task[None]] = {}
         self._opened: dict[str, asyncio.Event] = {}
-        # Other announcements on the channel, by `op` (proxy.control.canarybus), and what to do each
+        # Other announcements on the channel, by `op` (proxy.rollout.canarybus), and what to do each
         # time the listener (re)connects (it may have missed some).
         self.handlers: dict[str, Callable[[dict], Awaitable[None]]] = {}
         self.on_connect: list[Callable[[], Awaitable[None]]] = []

@@ -3,7 +3,7 @@
 A swap goes one replica at a time, in the mode `ATDP_SWAP_MODE` names.
 drain: close its gate (new calls wait or go to another open replica), wait until its in-flight
 calls drained, run vLLM's dev-mode sequence (pause, reload weights beside a prefix-cache reset,
-tag the weight version, resume: proxy.control.engine_weights), set `replica.version`, reopen. A
+tag the weight version, resume: proxy.rollout.engine_weights), set `replica.version`, reopen. A
 call is stamped with `replica.version` when it enters the gate and no call is in flight while the weights change, so every output token's version is exact.
 keep: the gate stays open; every proxy opens a swap window on the replica (proxy.upstream: calls in
 flight across it learn they may hold tokens of both versions), then the engine pauses with `keep`,
@@ -29,7 +29,9 @@ from sqlalchemy.exc import IntegrityError
 
 from atdp_schema.models import VersionStatus
 from proxy import telemetry
-from proxy.control.engine_weights import (
+from proxy.errors import ApiError
+from proxy.governance.tokens import find_tokenizer
+from proxy.rollout.engine_weights import (
     SwapError,
     SwapMode,
     from_checkpoint,
@@ -37,9 +39,7 @@ from proxy.control.engine_weights import (
     source_for,
     update,
 )
-from proxy.control.swapbus import Driver, SwapBus
-from proxy.errors import ApiError
-from proxy.governance.tokens import find_tokenizer
+from proxy.rollout.swapbus import Driver, SwapBus
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.canary import CanaryRef, active_canary
@@ -61,9 +61,9 @@ class Versions:
         self.drain_timeout_s = state.settings.swap_drain_timeout_s
         self.load_timeout_s = state.settings.swap_load_timeout_s
         self.mode = state.settings.swap_mode
-        self.transfer = state.settings.weight_transfer  # disk | nccl (proxy.control.engine_weights)
-        self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.control.gates)
-        self.canary_task: asyncio.Task | None = None  # the running canary's monitor (proxy.control.canary)
+        self.transfer = state.settings.weight_transfer  # disk | nccl (proxy.rollout.engine_weights)
+        self.gate_tasks: dict[str, asyncio.Task] = {}  # version id -> its running gates (proxy.rollout.gates)
+        self.canary_task: asyncio.Task | None = None  # the running canary's monitor (proxy.rollout.canary)
         self.canary_at_start: CanaryRef | None = None  # the canary running when this proxy started (it resumes it)
         self.bus: SwapBus | None = None  # swaps across the proxies on this database (set on connect)
         self._driver: Driver | None = None  # while this proxy drives a swap
@@ -198,7 +198,7 @@ class Versions:
                 raise SwapError("no replica answered GET /v1/models: cannot name the base checkpoint")
             ref = self._register_base(root)
         # A canary that was running when the proxy stopped goes on: its group still holds the
-        # candidate's weights (gate 3, proxy.control.canary resumes its monitor).
+        # candidate's weights (gate 3, proxy.rollout.canary resumes its monitor).
         in_canary = set(canary.replicas) if canary else set()
         for replica in state.pool.replicas:
             replica.version = canary.candidate if replica.label in in_canary else ref.name

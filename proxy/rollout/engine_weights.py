@@ -161,7 +161,7 @@ async def _all(*steps: Awaitable[object]) -> None:
             raise r
 
 
-UPDATE_ROUTE = "/atdp/update_weights"  # proxy/control/vllm_ext/atdp_update.py, when vLLM loaded it
+UPDATE_ROUTE = "/atdp/update_weights"  # proxy/rollout/vllm_ext/atdp_update.py, when vLLM loaded it
 
 
 async def _update_in_one(routes: Routes, source: Checkpoint, mode: SwapMode, fallback: Checkpoint | None
