@@ -66,6 +66,7 @@ from proxy.store.versions import (
     record_swap,
     set_gate,
     set_status,
+    superseded_by,
 )
 from proxy.upstream import Replica
 
@@ -98,6 +99,19 @@ async def run_gates(state: AppState, versions: Versions, target: VersionRef, *, 
     await wait_for_canary(versions)  # one canary at a time: a running one is decided first
     async with versions.lock:
         await queued
+        if newer := await run_db(state, lambda s: superseded_by(s, target.id)):
+            # It waited for cases while a later candidate passed its gates and took over: out of date.
+            reason = f"superseded by {newer}, registered after it and serving now"
+
+            def drop(s) -> None:
+                for gate in GATES:
+                    set_gate(s, target.id, gate, GateState.skipped, {"reason": reason}, finished=True)
+                mark_rejected(s, target.id, [reason], actor=actor)
+
+            await run_db(state, drop)
+            log.info("version %s not evaluated: %s", target.name, reason)
+            return None
+
         def begin(s) -> None:
             for gate in GATES:
                 set_gate(s, target.id, gate, GateState.running)

@@ -156,6 +156,15 @@ def record_override(s: Session, version_id: str, *, actor: str, reason: str | No
         set_gate(s, version_id, gate, "overridden", {"by": actor, "reason": reason}, finished=True)
 
 
+def superseded_by(s: Session, version_id: str) -> str | None:
+    """The name of a version registered after `version_id` that serves now, if one does: a candidate
+    that waited for evaluation cases meanwhile is out of date (promoting it would put an older
+    version in place of a newer one that passed its own gates)."""
+    mine = select(t.ModelVersion.created_at).where(t.ModelVersion.id == version_id).scalar_subquery()
+    return s.scalar(select(t.ModelVersion.name).where(t.ModelVersion.status == VersionStatus.serving,
+                                                      t.ModelVersion.created_at > mine).limit(1))
+
+
 def mark_rejected(s: Session, version_id: str, reasons: list[str], *, actor: str = "system") -> int:
     """A gate failed: status `rejected` with the reasons; like a failed swap, its steps are released so a
     later update can train on them (its lineage rows stay: what was tried)."""

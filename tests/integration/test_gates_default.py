@@ -111,3 +111,25 @@ def test_gates_off_is_explicit_and_on_the_card(start_proxy, fake_upstream, own_d
     replay = next(g for g in card["gates"] if g["gate"] == "replay_eval")
     assert replay["state"] == "skipped" and replay["numbers"]["gates"] == "off"
     assert "ATDP_GATES=off" in replay["numbers"]["reason"]
+
+
+def test_a_candidate_that_waited_while_a_later_one_took_over_is_not_promoted(start_proxy, fake_upstream, own_db):
+    # "old" waits for cases; the operator then serves "new" at once. When the proxy counts again, "old"
+    # is out of date: promoting it would replace a newer version with an older one. It is rejected.
+    proxy = start_proxy([fake_upstream.url], database_url=own_db[0], policy_file=None, gates="on",
+                        eval_recheck_s=0.5)
+    assert proxy.versions.ready.wait(30)
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, timeout=60,
+                   json={"checkpoint": "/ckpt/old", "name": "old", "wait": True})
+    assert r.status_code == 202 and r.json()["status"] == "evaluating", r.text
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, timeout=60,
+                   json={"checkpoint": "/ckpt/new", "name": "new", "promote": "now"})
+    assert r.status_code == 200 and r.json()["status"] == "serving", r.text
+
+    deadline = time.monotonic() + 30
+    while (detail := _detail(proxy, "old"))["status"] == "evaluating" and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert detail["status"] == "rejected", detail
+    assert "superseded by new" in detail["error"]
+    assert {g["gate"]: g["state"] for g in detail["gates"]} == {"replay_eval": "skipped", "safety": "skipped"}
+    assert _served_by(proxy) == "new"
