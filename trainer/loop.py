@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from atdp_schema.models import VersionStatus
+from proxy.config import BehaviourLogprobs, EngineNumerics, OptimizerState, SampleMode, Weighting
 from proxy.governance.policies import Policies
 from trainer import dist, numerics
 from trainer.batch import (
@@ -74,15 +75,15 @@ class TrainConfig:
     max_steps: int = 512
     max_version_lag: int = 4
     lease_ttl_s: float = 1800.0
-    samples: str = "trajectory"  # step | trajectory: one sample per step or per session (batch.build_samples)
+    samples: SampleMode = "trajectory"  # step | trajectory: one sample per step or per session (batch.build_samples)
     turn_discount: float = 1.0
     max_len: int = 4096
     micro_batch_tokens: int = 8192
     normalize_std: bool = True
-    weighting: str = "token"  # token | session: how a session's tokens weigh in the loss (batch.session_weights)
+    weighting: Weighting = "token"  # token | session: how a session's tokens weigh in the loss (batch.session_weights)
     # keep: AdamW state carries over between updates (.trainer-state); fresh: each update starts anew.
     # fresh by default until the e2e learning step size is re-derived for kept state (docs/training.md)
-    optimizer_state: str = "fresh"
+    optimizer_state: OptimizerState = "fresh"
     # optimisation
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -92,9 +93,9 @@ class TrainConfig:
     compute_dtype: str | None = None  # "bf16": bf16 forward/backward under FSDP2
     save_dtype: str = "fp32"
     # auto: probe the engine for how it rounds (trainer/numerics.py); or fp32 | bf16 | bf16-amx | bf16-trunc
-    engine_numerics: str = "auto"
+    engine_numerics: EngineNumerics = "auto"
     engine_url: str | None = None  # a vLLM replica, for the probe
-    behaviour_logprobs: str = "auto"  # auto (ask the engine) | processed | raw: trainer/sampling.py
+    behaviour_logprobs: BehaviourLogprobs = "auto"  # auto (ask the engine) | processed | raw: trainer/sampling.py
     engine_api_key: str | None = None
     grad_checkpointing: bool = False
     lora_r: int = 0

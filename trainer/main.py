@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args, get_origin
 
 if TYPE_CHECKING:
     from proxy.config import Settings
@@ -149,6 +149,8 @@ def register(sub) -> None:
     for field in FLAG_FIELDS:
         info = Settings.model_fields[field]
         kind = info.annotation if info.annotation in (int, float) else str
+        # A Literal setting's values are the flag's choices: argparse names them when one is wrong.
+        choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
         p.add_argument(_flag(field), dest=field.removeprefix("train_"), type=kind, default=getattr(current, field),
-                       help=f"{info.description} (ATDP_{field.upper()}, default {info.default!r})")
+                       choices=choices, help=f"{info.description} (ATDP_{field.upper()}, default {info.default!r})")
     p.set_defaults(func=cmd_train)

@@ -126,7 +126,7 @@ def test_every_loss_option_is_an_atdp_train_flag(monkeypatch, tmp_path):
         "max_grad_norm", "kl_coef", "kl_ref"}
 
 
-def test_samples_flag_and_config_file(monkeypatch, tmp_path):
+def test_samples_flag_and_config_file(monkeypatch, tmp_path, capsys):
     import argparse
 
     import trainer.loop
@@ -149,7 +149,11 @@ def test_samples_flag_and_config_file(monkeypatch, tmp_path):
     assert train("--samples", "trajectory", "--turn-discount", "1").samples == "trajectory"
     with pytest.raises(SystemExit, match="turn-discount"):  # a trajectory has one reward for every turn
         train("--samples", "trajectory")
-    with pytest.raises(SystemExit, match="--samples"):
+    with pytest.raises(SystemExit):  # the setting's Literal values are the flag's choices
         train("--samples", "concat")
+    assert "argument --samples: invalid choice: 'concat' (choose from" in capsys.readouterr().err
+    (tmp_path / "atdp.toml").write_text('train_samples = "concat"\n')  # the settings refuse it too, by name
+    with pytest.raises(Exception, match="train_samples"):
+        train()
     with pytest.raises(ValueError, match="turn_discount"):
         TrainConfig(database_url="x", proxy_url="x", proxy_key=None, checkpoints_dir=tmp_path, turn_discount=0.5)
