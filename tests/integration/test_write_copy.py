@@ -262,37 +262,30 @@ def test_the_writer_reads_by_key_in_a_table_without_statistics(every_server):
     ids = [f"{sid}-99" for sid in known[:128]] + [f"{sid}-new" for sid in known[128:]]
     params = {"sids": text_array(sids), "lo": sids[0], "hi": sids[-1], "ids": text_array(ids),
               "step_sids": text_array([i.split("-")[0] for i in ids])}
-    for url in every_server:
-        for custom in (True, False):
-            engine = db.make_engine(url, pool_size=1, max_overflow=0, custom_plans=custom)
-            try:
-                with engine.connect() as c:
-                    version = c.exec_driver_sql("SHOW server_version").scalar()
-                    c.exec_driver_sql("CREATE TEMP TABLE fresh_day (id text, session_id text, seq int, pad text, "
-                                      "PRIMARY KEY (id, session_id), UNIQUE (session_id, seq))")
-                    c.exec_driver_sql("INSERT INTO fresh_day SELECT 's' || to_char(mod(g, 500), 'FM0000') || '-' || "
-                                      "(g / 500), 's' || to_char(mod(g, 500), 'FM0000'), g / 500, repeat('x', 200) "
-                                      "FROM generate_series(0, 49999) g")
-                    # Without statistics (a new day), then with them (a day autovacuum has analyzed:
-                    # PostgreSQL 15 then preferred the (session_id, seq) index for a probe that also
-                    # named the session, and filtered all 100 steps of it).
-                    for analyzed in (False, True):
-                        if analyzed:
-                            c.exec_driver_sql("ANALYZE fresh_day")
-                        for statement, index in ((LAST_SEQ, "fresh_day_session_id_seq_key"),
-                                                 (STORED_STEPS, "fresh_day_pkey")):
-                            sql = text(statement.replace("FROM steps", "FROM fresh_day"))
-                            plan = "\n".join(r[0] for r in c.execute(text(f"EXPLAIN {sql.text}"), params))
-                            assert "Seq Scan" not in plan and "Hash" not in plan and index in plan, (
-                                version, custom, analyzed, plan)
-                            assert "Filter" not in plan, (version, custom, analyzed, plan)  # every key in the probe
-                            if statement is LAST_SEQ:
-                                last = dict(c.execute(sql, params).all())
-                                assert last == {sid: 0 if sid > "s9" else 99 for sid in sids}
-                            else:
-                                assert sorted(c.execute(sql, params).scalars()) == ids[:128]
-            finally:
-                engine.dispose()
+    for c, version, custom in _each_connection(every_server):
+        c.exec_driver_sql("CREATE TEMP TABLE fresh_day (id text, session_id text, seq int, pad text, "
+                          "PRIMARY KEY (id, session_id), UNIQUE (session_id, seq))")
+        c.exec_driver_sql("INSERT INTO fresh_day SELECT 's' || to_char(mod(g, 500), 'FM0000') || '-' || "
+                          "(g / 500), 's' || to_char(mod(g, 500), 'FM0000'), g / 500, repeat('x', 200) "
+                          "FROM generate_series(0, 49999) g")
+        # Without statistics (a new day), then with them (a day autovacuum has analyzed:
+        # PostgreSQL 15 then preferred the (session_id, seq) index for a probe that also
+        # named the session, and filtered all 100 steps of it).
+        for analyzed in (False, True):
+            if analyzed:
+                c.exec_driver_sql("ANALYZE fresh_day")
+            for statement, index in ((LAST_SEQ, "fresh_day_session_id_seq_key"),
+                                     (STORED_STEPS, "fresh_day_pkey")):
+                sql = text(statement.replace("FROM steps", "FROM fresh_day"))
+                plan = "\n".join(r[0] for r in c.execute(text(f"EXPLAIN {sql.text}"), params))
+                assert "Seq Scan" not in plan and "Hash" not in plan and index in plan, (
+                    version, custom, analyzed, plan)
+                assert "Filter" not in plan, (version, custom, analyzed, plan)  # every key in the probe
+                if statement is LAST_SEQ:
+                    last = dict(c.execute(sql, params).all())
+                    assert last == {sid: 0 if sid > "s9" else 99 for sid in sids}
+                else:
+                    assert sorted(c.execute(sql, params).scalars()) == ids[:128]
 
 
 def test_the_writers_tool_result_links_use_an_index_in_a_table_without_statistics(every_server):
@@ -306,25 +299,18 @@ def test_the_writers_tool_result_links_use_an_index_in_a_table_without_statistic
     sids = [f"s{i:04d}" for i in range(0, 500, 2)]
     params = {"sid": text_array(sids), "cid": text_array(["c1"] * len(sids)), "step": text_array(sids),
               "hash": text_array(sids), "err": bool_array([False] * len(sids))}
-    for url in every_server:
-        for custom in (True, False):
-            engine = db.make_engine(url, pool_size=1, max_overflow=0, custom_plans=custom)
-            try:
-                with engine.connect() as c:
-                    version = c.exec_driver_sql("SHOW server_version").scalar()
-                    c.exec_driver_sql("CREATE TEMP TABLE fresh_calls (session_id text, call_id text, step_id text, "
-                                      "result_step_id text, result_hash text, is_error boolean, pad text)")
-                    c.exec_driver_sql("CREATE INDEX fresh_calls_session ON fresh_calls (session_id)")
-                    c.exec_driver_sql("INSERT INTO fresh_calls SELECT 's' || to_char(mod(g, 500), 'FM0000'), "
-                                      "'c' || (g / 500), 'x', NULL, NULL, NULL, repeat('x', 200) "
-                                      "FROM generate_series(0, 49999) g")
-                    sql = text(LINK_UPDATE.replace("UPDATE tool_calls tc", "UPDATE fresh_calls tc"))
-                    plan = "\n".join(r[0] for r in c.execute(text(f"EXPLAIN {sql.text}"), params))
-                    assert c.execute(sql, params).rowcount == len(sids)  # the statement itself links each
-            finally:
-                engine.dispose()
-            if custom:  # the writer's connection
-                assert "Seq Scan on fresh_calls" not in plan and "fresh_calls_session" in plan, (version, plan)
+    for c, version, custom in _each_connection(every_server):
+        c.exec_driver_sql("CREATE TEMP TABLE fresh_calls (session_id text, call_id text, step_id text, "
+                          "result_step_id text, result_hash text, is_error boolean, pad text)")
+        c.exec_driver_sql("CREATE INDEX fresh_calls_session ON fresh_calls (session_id)")
+        c.exec_driver_sql("INSERT INTO fresh_calls SELECT 's' || to_char(mod(g, 500), 'FM0000'), "
+                          "'c' || (g / 500), 'x', NULL, NULL, NULL, repeat('x', 200) "
+                          "FROM generate_series(0, 49999) g")
+        sql = text(LINK_UPDATE.replace("UPDATE tool_calls tc", "UPDATE fresh_calls tc"))
+        plan = "\n".join(r[0] for r in c.execute(text(f"EXPLAIN {sql.text}"), params))
+        assert c.execute(sql, params).rowcount == len(sids)  # the statement itself links each
+        if custom:  # the writer's connection
+            assert "Seq Scan on fresh_calls" not in plan and "fresh_calls_session" in plan, (version, plan)
 
 
 def test_two_writers_on_the_same_sessions_number_every_step_once(db_url, tenant):
@@ -486,3 +472,16 @@ def test_the_in_process_writer_plans_as_the_child_does(start_proxy, fake_upstrea
     with proxy.state.factory() as s:
         assert s.execute(text("SHOW enable_seqscan")).scalar_one() == "on"
         assert s.execute(text("SHOW plan_cache_mode")).scalar_one() == "auto"
+
+
+def _each_connection(every_server):
+    """A connection to each server, set up as the writer's (a plan per execution) and as any other's
+    (generic plans after five runs), with the server's version and which of the two it is."""
+    for url in every_server:
+        for custom in (True, False):
+            engine = db.make_engine(url, pool_size=1, max_overflow=0, custom_plans=custom)
+            try:
+                with engine.connect() as c:
+                    yield c, c.exec_driver_sql("SHOW server_version").scalar(), custom
+            finally:
+                engine.dispose()
