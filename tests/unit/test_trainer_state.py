@@ -7,6 +7,7 @@ version it belongs to, and equal after the round trip; non-finite losses or weig
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,28 @@ def test_samples_flag_and_config_file(monkeypatch, tmp_path, capsys):
         train()
     with pytest.raises(ValueError, match="turn_discount"):
         TrainConfig(database_url="x", proxy_url="x", proxy_key=None, checkpoints_dir=tmp_path, turn_discount=0.5)
+
+
+def test_the_trainers_defaults_are_its_settings_defaults(monkeypatch, tmp_path):
+    """`atdp train` with no flag and no setting runs what `TrainConfig()` and `PPOOptions()` say: a
+    default changed in one place and not the other fails here."""
+    import argparse
+    import dataclasses
+
+    from proxy.config import Settings
+    from trainer import main
+
+    monkeypatch.setenv("ATDP_HOME", str(tmp_path))
+    monkeypatch.delenv("ATDP_CONFIG", raising=False)
+    for name in [k for k in os.environ if k.startswith("ATDP_TRAIN_")]:
+        monkeypatch.delenv(name)
+    parser = argparse.ArgumentParser()
+    main.register(parser.add_subparsers())
+    cfg = main.train_config(parser.parse_args(["train"]), Settings(home=tmp_path))
+    plain = TrainConfig(database_url=cfg.database_url, proxy_url=cfg.proxy_url, proxy_key=cfg.proxy_key,
+                        checkpoints_dir=cfg.checkpoints_dir)
+    from_elsewhere = {"engine_url", "engine_api_key", "weight_transfer", "policies", "gate", "owner"}  # not train_*
+    differ = {f.name: (getattr(cfg, f.name), getattr(plain, f.name)) for f in dataclasses.fields(TrainConfig)
+              if f.name not in from_elsewhere and getattr(cfg, f.name) != getattr(plain, f.name)}
+    assert differ == {}
+    assert cfg.ppo == PPOOptions()
