@@ -196,8 +196,8 @@ class WriterProcess:
         msg = Forget(tenant, tuple(step_ids), tuple(content_hashes) if content_hashes is not None else None,
                      tuple(sessions), whole_tenant, tuple(forgets))
         self._send_control(msg)
-        if self._local is not None:
-            msg.apply(self._local)
+        if self._local is not None:  # its caches only: the child purges the spool folder they share
+            self._local.forget(tenant, step_ids=list(step_ids), content_hashes=content_hashes, forgets=list(forgets))
 
     def catch_up(self) -> None:  # forgets may have been missed: see Recorder.catch_up
         self._send_control(CatchUp())
