@@ -28,6 +28,7 @@ import time
 
 import psycopg
 
+from proxy.store.db import db_error_reason
 from proxy.store.links import LinkStore
 
 log = logging.getLogger("atdp.presence")
@@ -93,8 +94,8 @@ class Presence:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the mode stays as it is until the count can be taken again
-                log.warning("other proxies on the database not counted (%s: %s); links stay %s", type(e).__name__,
-                            e, "shared" if self.links.shared else "lone")
+                log.warning("other proxies on the database not counted (%s); links stay %s", db_error_reason(e),
+                            "shared" if self.links.shared else "lone")
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):
