@@ -190,6 +190,15 @@ class Governance(_Model):
     retention_until: datetime | None = None
 
 
+class Layers(_Model):
+    """The harness and memory versions a call was sent with (the proxy applied them before the call went
+    out; the observation holds the request as the client sent it, the tokens what the model saw)."""
+
+    harness_version: str | None = Field(default=None, description="Id of the harness version applied, if any.")
+    memory_version: str | None = Field(default=None, description="Id of the memory version searched, if any.")
+    memory_facts: list[str] = Field(default_factory=list, description="Ids of the facts put into the context.")
+
+
 class Step(_Model):
     id: str
     session_id: str
@@ -208,6 +217,7 @@ class Step(_Model):
     governance: Governance
     trained_in: list[str] = Field(default_factory=list, description="Model versions this step trained.")
     replay_of: str | None = Field(default=None, description="Original step id, when this step is a replay.")
+    layers: Layers = Field(default_factory=Layers)
 
 
 class Feedback(_Model):
@@ -245,8 +255,11 @@ class ModelVersion(_Model):
     id: str
     name: str
     parent: str | None = None
-    checkpoint: str
+    checkpoint: str | None = Field(default=None, description="Weights directory (policy versions only).")
     status: VersionStatus
+    layer: Literal["policy", "harness", "memory"] = "policy"
+    scope: str | None = Field(default=None, description="The tenant a harness or memory version applies to; None: all.")
+    spec: dict[str, Any] = Field(default_factory=dict, description="A harness overlay, or a memory version's facts.")
     training_run: str | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
     created_at: datetime

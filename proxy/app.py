@@ -34,9 +34,12 @@ from proxy.governance.ner import NerStatus, ner_status
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import LazyRedactor, TextRedactor
 from proxy.http import Endpoint, Route, json_response, log_exception, run_db
+from proxy.layers.serving import Layers
 from proxy.record.durability import Writer
 from proxy.record.writer_process import WriterProcess, build_recorder
 from proxy.rollout import canary, canarybus, gates
+from proxy.rollout import layer_gates as layer_gates_mod
+from proxy.rollout.layer_gates import LayerGates
 from proxy.rollout.swap import Versions
 from proxy.rollout.swapbus import SwapBus
 from proxy.sessions import ContinuationIndex, StepLink
@@ -50,7 +53,8 @@ from proxy.upstream import ReplicaPool, make_client, make_session
 log = logging.getLogger("atdp.app")
 
 
-def route_table(state: AppState, store: ResponseStore, swaps: Versions, ner: NerStatus | None = None) -> list[Route]:
+def route_table(state: AppState, store: ResponseStore, swaps: Versions, ner: NerStatus | None = None,
+                layer_gates: LayerGates | None = None) -> list[Route]:
     """Every route the proxy serves, in one place. `ner`: whether names can be redacted (for /healthz)."""
     ner = ner or ner_status(state.settings.ner_model)
     return [
@@ -60,7 +64,7 @@ def route_table(state: AppState, store: ResponseStore, swaps: Versions, ner: Ner
         *models.routes(state),
         *sessions.routes(state),
         *feedback.routes(state),
-        *versions.routes(state, swaps),
+        *versions.routes(state, swaps, layer_gates or LayerGates()),
         *admin.routes(state),
         *diagnosis.routes(state),
         *overview.routes(state),
@@ -101,9 +105,11 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         redactor=own_redactor,
         tracer=telemetry.Tracer(settings.otel_exporter),
         routes=providers.build(settings.routes, os.environ, settings.upstream_timeout_s),
+        layers=Layers(refresh_s=settings.layers_refresh_s, top_k=settings.memory_top_k),
     )
     store = ResponseStore(state, ttl_s=settings.response_ttl_s)
     swaps = Versions(state)
+    layer_gates = LayerGates()  # harness and memory candidates' gates (proxy.rollout.layer_gates)
     # Names and places need the NER model: whether the writer can load it, read from its package
     # (cheap; the writer loads it off the request path). A redactor handed in says for itself.
     ner: NerStatus = getattr(redactor, "ner_status", None) or ner_status(settings.ner_model)
@@ -128,6 +134,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             tasks.append(asyncio.create_task(gates.resume_gates(state, swaps), name="atdp-resume-gates"))
             tasks.append(asyncio.create_task(gates.recheck_waiting(state, swaps), name="atdp-recheck-gates"))
             tasks.append(asyncio.create_task(diagnosis.warm(state), name="atdp-diagnosis-warm"))
+            tasks.append(asyncio.create_task(state.layers.run(state.stopping), name="atdp-layers"))
+            tasks.append(asyncio.create_task(layer_gates_mod.recheck_layers(state, layer_gates), name="atdp-layer-gates"))
         if connect_db:
             tasks.append(asyncio.create_task(_partition_upkeep(state)))
         if connect_db and settings.shared_links is not False:
@@ -169,7 +177,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
     # checks of the environment) cost every call CPU for features the proxy does not use; the
     # proxy's routes are plain endpoints, its OpenAPI document is written out (proxy.openapi).
     app = Starlette(
-        routes=[StarletteRoute(r.path, r.endpoint, methods=list(r.methods)) for r in route_table(state, store, swaps, ner)],
+        routes=[StarletteRoute(r.path, r.endpoint, methods=list(r.methods)) for r in route_table(state, store, swaps, ner, layer_gates)],
         middleware=[Middleware(CatchAll)], exception_handlers=_error_handlers(), lifespan=lifespan,
     )
     app.state.atdp = state
@@ -331,6 +339,7 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
             state.engine = engine
             state.factory = db.session_factory(engine)
             state.canary.factory = state.factory
+            state.layers.factory = state.factory
             if isinstance(state.recorder, WriterProcess):
                 state.recorder.connect(url, state.factory)  # the child makes its own writer engine
             else:  # the in-process writer plans as the child does (proxy.store.db: custom plans, no seq scans)

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from proxy import providers, telemetry
 from proxy.auth import Principal, header_map
 from proxy.errors import ApiError
+from proxy.layers.serving import Applied
 from proxy.providers import ProviderResponse, ProviderRoute
 from proxy.record.capture import CapturedStep, ChatCapture, ToolResultIn, history_extras, shared
 from proxy.sessions import (
@@ -97,6 +98,7 @@ class Call:
     provider: ProviderRoute | None = None  # set when the routing table sent the call to a provider
     published: asyncio.Future[bool] | None = None  # its continuation keys, on their way to other proxies
     prompt_path: str | None = None  # "tito" | "rendered" once an engine took the call (proxy.tito)
+    layers: Applied = field(default_factory=Applied)  # the harness and memory versions it was sent with
 
     @property
     def link(self) -> StepLink:
@@ -119,6 +121,10 @@ class Call:
         # (checked when registered); a header cannot carry other characters.
         if self.version is not None and self.version.isascii() and self.version.isprintable():
             headers["x-atdp-model-version"] = self.version
+        if self.layers.harness is not None:  # layer names are printable ASCII (h<N>, m<N>, or checked)
+            headers["x-atdp-harness-version"] = self.layers.harness.name
+        if self.layers.memory is not None:
+            headers["x-atdp-memory-version"] = self.layers.memory.name
         return headers
 
     def mark_token(self) -> None:
@@ -186,6 +192,9 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
     must `close_upstream`. Raises UpstreamError (502/503) when no replica could take it.
     """
     state = call.state
+    if state.layers.active and path == "/v1/chat/completions":  # harness and memory versions (proxy.layers)
+        upstream_body, call.layers = await state.layers.apply(upstream_body, call.principal.tenant,
+                                                              call.session.external_id)
     route = state.routes.match(call.model)
     if route is not None:
         call.provider, call.version, call.upstream_url = route, route.target(str(call.model)), route.label
@@ -351,6 +360,8 @@ def finish(call: Call, *, status: str, error: dict[str, Any] | None = None, nati
         provider=call.provider.provider if call.provider is not None else None, cost=cost,
         version_window=call.version_window,
         output_versions=_engine_versions(cap.output_versions, call.version), prompt_path=call.prompt_path,
+        harness_version=call.layers.harness.id if call.layers.harness else None,
+        memory_version=call.layers.memory.id if call.layers.memory else None, memory_facts=call.layers.facts,
     )
     call.state.recorder.submit(step)
     telemetry.record_call(call.api, status, total_s, call.ttft_s, prompt_tokens, completion_tokens)

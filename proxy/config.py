@@ -197,6 +197,10 @@ class Settings(BaseSettings):
     # share of new sessions (sticky) until the sequential test promotes it or rolls it back. Margins
     # are in reward units after rescaling [canary_reward_min, canary_reward_max] to [0, 1].
     canary_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    # Harness and memory versions (proxy.layers): how often each proxy re-reads which serve (its own
+    # promotions apply at once), and how many facts memory puts into a call's context at most.
+    layers_refresh_s: float = Field(default=2.0, gt=0.0)
+    memory_top_k: int = Field(default=3, ge=1, le=20)
     canary_tenants: str = ""  # comma-separated: tenants whose new sessions all go to the candidate
     canary_replicas: int = Field(default=1, ge=1)  # replicas that serve the candidate (fewer than all)
     canary_alpha: float = Field(default=0.05, gt=0.0, lt=1.0)

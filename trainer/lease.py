@@ -115,7 +115,7 @@ def version_ranks(s: Session) -> dict[str, int]:
     """{version name: rank} over versions that have served, in order of creation."""
     names = s.scalars(
         select(t.ModelVersion.name)
-        .where(t.ModelVersion.served_at.is_not(None))
+        .where(t.ModelVersion.served_at.is_not(None), t.ModelVersion.layer == "policy")
         .order_by(t.ModelVersion.created_at, t.ModelVersion.id)
     )
     return {name: i for i, name in enumerate(names)}

@@ -39,17 +39,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from atdp_schema.models import VersionStatus
+from proxy.control import layers
 from proxy.errors import ApiError
 from proxy.http import Endpoint, Route, json_response, path_id, read_json, run_db
 from proxy.rollout.canary import rollback_now
 from proxy.rollout.gates import run_gates
+from proxy.rollout.layer_gates import LayerGates
 from proxy.rollout.swap import Versions
 from proxy.shapes import id_problem, text_problem
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.cards import version_card
 from proxy.store.ids import new_id
+from proxy.store.layers import LAYERS
 from proxy.store.versions import (
+    POLICY,
     VersionRef,
     find_version,
     next_name,
@@ -63,13 +67,14 @@ from proxy.store.versions import (
 log = logging.getLogger("atdp.versions")
 
 
-def routes(state: AppState, versions: Versions) -> list[Route]:
+def routes(state: AppState, versions: Versions, lg: LayerGates) -> list[Route]:
     return [
         Route("/atdp/v1/versions", _list_route(state, versions), ("GET",)),
-        Route("/atdp/v1/versions", _create_route(state, versions), ("POST",)),
+        Route("/atdp/v1/versions", _create_route(state, versions, lg), ("POST",)),
         Route("/atdp/v1/versions/{version_id}", _show_route(state, versions), ("GET",)),
         Route("/atdp/v1/versions/{version_id}/card", _card_route(state), ("GET",)),
         Route("/atdp/v1/versions/{version_id}/rollback", _rollback_route(state, versions), ("POST",)),
+        *layers.routes(state, lg),
     ]
 
 
@@ -114,10 +119,15 @@ def checkpoint_problem(checkpoint: str, roots: list[Path]) -> str | None:
     return None
 
 
-def _create_route(state: AppState, versions: Versions) -> Endpoint:
+def _create_route(state: AppState, versions: Versions, lg: LayerGates) -> Endpoint:
     async def create(request: Request) -> Response:
         principal = await state.authenticate(request, admin=True, scope="versions:write")
         body = await read_json(request, 64 * 1024)
+        if isinstance(body, dict) and body.get("layer") in LAYERS:  # harness and memory (proxy.control.layers)
+            return await layers.create(state, lg, principal, body)
+        if isinstance(body, dict) and body.get("layer") not in (None, POLICY):
+            raise ApiError(422, "'layer' must be \"policy\" (a checkpoint), \"harness\" or \"memory\"", param="layer")
+        body = {k: v for k, v in body.items() if k != "layer"} if isinstance(body, dict) else body
         if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str) or not body["checkpoint"]:
             raise ApiError(422, CREATE_SHAPE)
         unknown = sorted(set(body) - CREATE_FIELDS)
@@ -243,6 +253,8 @@ def _rollback_route(state: AppState, versions: Versions) -> Endpoint:
         await versions.wait_ready()
         key = path_id(request, "version_id")
         row = await run_db(state, lambda s: find_version(s, key))
+        if row is not None and row.layer in LAYERS:
+            return await layers.rollback_layer(state, principal, row)
         if row is not None and row.status == VersionStatus.canary:  # ends the canary (gate 3)
             outcome = await rollback_now(state, versions, row.id, actor=principal.actor)
             if outcome is None:
@@ -262,7 +274,7 @@ def _rollback_route(state: AppState, versions: Versions) -> Endpoint:
             prev = s.scalars(
                 select(t.ModelVersion)
                 .where(t.ModelVersion.id != row.id, t.ModelVersion.status == VersionStatus.retired,
-                       t.ModelVersion.served_at.is_not(None))
+                       t.ModelVersion.served_at.is_not(None), t.ModelVersion.layer == POLICY)
                 .order_by(t.ModelVersion.served_at.desc()).limit(1)
             ).first()
             if prev is None:

@@ -142,6 +142,7 @@ def last_promoted(url: str) -> str | None:
     try:
         with db.session_factory(engine)() as s:
             return s.scalars(select(t.ModelVersion.name).where(t.ModelVersion.parent_id.is_not(None),
+                                                               t.ModelVersion.layer == "policy",
                                                                t.ModelVersion.served_at.is_not(None))
                              .order_by(t.ModelVersion.served_at.desc()).limit(1)).first()
     finally:

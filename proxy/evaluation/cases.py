@@ -43,6 +43,7 @@ class EvalCase:
     request: dict  # a chat-completions body without "model" (messages, tools, max_tokens)
     evaluator: str
     expected: JSON = None
+    model: str | None = None  # the model the recorded call named (a provider route replays through it)
 
     def public(self) -> dict:
         """What a command evaluator is given."""
@@ -156,4 +157,4 @@ def add_held_out(s: Session, evalset: EvalSet, holdout: tuple[dict[str, float], 
                             "tools": [c.get("name") for c in action.get("tool_calls") or [] if isinstance(c, dict)]}
             evalset.cases.append(EvalCase(id=f"{se.external_id}#{st.seq}", tenant=se.tenant_id,
                                           source=f"held-out:{se.task_id}", request=request,
-                                          evaluator=evaluator, expected=expected))
+                                          evaluator=evaluator, expected=expected, model=st.model))

@@ -41,7 +41,8 @@ WHERE o.replay_of IS NULL AND o.started_at >= :since
 ORDER BY o.started_at DESC LIMIT :limit"""
 
 CORRECTIONS = """
-SELECT f.tenant, f.session_id, se.task_id, coalesce(f.correction, f.comment, '') AS correction, f.created_at
+SELECT f.tenant, f.session_id, se.task_id, coalesce(f.correction, f.comment, '') AS correction, f.created_at,
+       se.id AS internal_id, f.feedback_id
 FROM atdp_feedback_readable f
 JOIN sessions se ON se.id = f.session_internal_id
 WHERE f.is_correction AND se.replay_of IS NULL AND se.started_at >= :since
@@ -50,7 +51,7 @@ ORDER BY f.created_at DESC LIMIT :limit"""
 
 LAST_TRAINED = """
 SELECT v.id, v.name, v.created_at FROM model_versions v
-WHERE EXISTS (SELECT 1 FROM version_lineage l WHERE l.version_id = v.id)
+WHERE v.layer = 'policy' AND EXISTS (SELECT 1 FROM version_lineage l WHERE l.version_id = v.id)
 ORDER BY v.created_at DESC LIMIT 1"""
 
 _STEP_MIX = """
@@ -191,6 +192,8 @@ class Correction:
     session_id: str
     task_id: str | None
     text: str
+    internal_id: str | None = None  # the session's internal id (what a forget deletes by)
+    feedback_id: str | None = None
 
 
 @dataclass
@@ -283,7 +286,8 @@ def gather(s: Session, *, since: datetime, tenant: str | None, limit: int, refer
                            prompt_tokens=int(r.prompt_tokens), completion_tokens=int(r.completion_tokens),
                            reward=r.reward, corrections=int(r.corrections), version=r.version)
                 for r in s.execute(text(SESSIONS if reference else SESSION_ROWS), params)]
-    corrections = [Correction(tenant=r.tenant, session_id=r.session_id, task_id=r.task_id, text=r.correction)
+    corrections = [Correction(tenant=r.tenant, session_id=r.session_id, task_id=r.task_id, text=r.correction,
+                              internal_id=r.internal_id, feedback_id=r.feedback_id)
                    for r in s.execute(text(CORRECTIONS), params)]
     training = None
     last = s.execute(text(LAST_TRAINED)).first()

@@ -38,6 +38,7 @@ from proxy.store import partitions
 from proxy.store import tables as t
 from proxy.store.db import db_error_reason
 from proxy.store.forgets import bump, lock_tenants
+from proxy.store.layers import forget_facts
 from proxy.store.notes import NOTIFY, split
 from proxy.store.read import find_session
 from proxy.store.texts import ENCODED_KINDS, all_refs
@@ -55,6 +56,7 @@ class Forgotten:
     feedback: int = 0
     stored_responses: int = 0
     contents: int = 0
+    facts: int = 0  # memory's facts the forgotten sessions supplied (proxy.store.layers)
     lineage: dict[str, int] = field(default_factory=dict)  # version id -> forgotten training steps
     step_ids: list[str] = field(default_factory=list)  # for cache invalidation; not audited
     content_hashes: list[str] = field(default_factory=list)  # the deleted contents' (caches); not audited
@@ -70,7 +72,8 @@ class Forgotten:
     def counts(self) -> dict[str, Any]:
         return {"sessions": self.sessions, "steps": self.steps, "tokens": self.tokens,
                 "tool_calls": self.tool_calls, "feedback": self.feedback,
-                "stored_responses": self.stored_responses, "contents": self.contents, "lineage": self.lineage,
+                "stored_responses": self.stored_responses, "contents": self.contents, "facts": self.facts,
+                "lineage": self.lineage,
                 "partitions": self.partitions}
 
 
@@ -110,6 +113,7 @@ def _forget_sessions(s: Session, tenant: str, session_ids: list[str], out: Forgo
     ).rowcount
     out.steps += s.execute(delete(t.Step).where(t.Step.session_id.in_(session_ids))).rowcount
     out.sessions += s.execute(delete(t.Session).where(t.Session.id.in_(session_ids))).rowcount
+    out.facts += forget_facts(s, tenant, session_ids)
     out.contents += _delete_orphan_contents(s, tenant, sorted(hashes), out.content_hashes)[0]
     out.step_ids.extend(step_ids)
 
@@ -212,6 +216,7 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
     # exist, contents can) goes here.
     out.contents += s.execute(delete(t.Content).where(t.Content.tenant_id == tenant)).rowcount
     out.stored_responses += s.execute(delete(t.StoredResponse).where(t.StoredResponse.tenant_id == tenant)).rowcount
+    out.facts += forget_facts(s, tenant, None)  # also those an operator wrote
     out.count_forget(s, whole_tenant=True)
     details = out.counts()
     if reason:
@@ -224,6 +229,10 @@ def forget_tenant(s: Session, tenant: str, *, actor: str, reason: str | None = N
 # What a day's sessions hold, per tenant, read before its partitions are dropped (the arrays' lengths
 # are read from the rows: the audit counts stored token ids, as a forget by row does).
 _IN_DAY = "session_id >= :lo AND session_id < :hi"
+# Memory's facts that a session of the day supplied (a memory's facts are few: read whole).
+_DAY_FACTS = ("DELETE FROM memory_facts f WHERE EXISTS (SELECT 1 FROM jsonb_array_elements_text("
+              "CASE WHEN jsonb_typeof(f.source -> 'sessions') = 'array' THEN f.source -> 'sessions' ELSE '[]' END) x "
+              "WHERE x >= :lo AND x < :hi)")
 _DAY_STEPS = ("SELECT tenant_id, count(*), coalesce(sum(cardinality(prompt_token_ids) + cardinality(output_token_ids)), 0) "
               f"FROM steps WHERE {_IN_DAY} GROUP BY tenant_id")
 _DAY_HASHES = (
@@ -299,6 +308,8 @@ def _forget_days(s: Session, days: list[tuple[partitions.DayPartition, list[str]
             outs[tenant].stored_responses += n
         for tenant, n in _counted(s, "DELETE FROM sessions WHERE id >= :lo AND id < :hi", day):
             outs[tenant].sessions += n
+        for tenant, n in _counted(s, _DAY_FACTS, day):
+            outs.setdefault(tenant, by_tenant.setdefault(tenant, Forgotten(tenant=tenant))).facts += n
         for out in outs.values():
             out.partitions.append(part.day.isoformat())
     for tenant, found in sorted(hashes.items()):

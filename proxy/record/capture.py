@@ -190,6 +190,10 @@ class CapturedStep:
     # How the prompt was built: "tito" (the parent's exact ids + the new turn, proxy.tito),
     # "rendered" (the engine rendered the client's messages), None (a provider call).
     prompt_path: str | None = None
+    # The layers the call was sent with (proxy.layers): harness and memory version ids, retrieved facts.
+    harness_version: str | None = None
+    memory_version: str | None = None
+    memory_facts: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = compact_ids(self.prompt_token_ids)

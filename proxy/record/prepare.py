@@ -114,7 +114,8 @@ def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any],
         output_mask=tokens.output_mask, prompt_path=st.prompt_path, finish_reason=st.finish_reason, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
         prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, redaction=redaction,
         eligibility=eligibility, eligibility_reason=reason, retention_until=retention, replay_of=st.replay_of,
-        cost=st.cost,
+        cost=st.cost, harness_version=st.harness_version, memory_version=st.memory_version,
+        memory_facts=st.memory_facts,
     )
 
 

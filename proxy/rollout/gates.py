@@ -45,6 +45,7 @@ import httpx
 from sqlalchemy import select
 
 from atdp_schema.models import GateState, VersionStatus
+from proxy.config import Settings
 from proxy.evaluation import safety
 from proxy.evaluation.cases import Answer, EvalCase, EvalSet, SuiteError, add_held_out, load_suites
 from proxy.evaluation.evaluators import EvaluatorError, Registry
@@ -58,6 +59,7 @@ from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.versions import (
     GATES,
+    POLICY,
     REPLAY_GATE,
     SAFETY_GATE,
     VersionRef,
@@ -173,7 +175,7 @@ async def _evaluate(state: AppState, versions: Versions, target: VersionRef) -> 
     if isinstance(replay, GateResult):  # nothing to evaluate on (yet, when it waits for cases)
         return {REPLAY_GATE: replay, SAFETY_GATE: GateResult(replay.state, {"reason": "no replay answers"}, [])}
     results = {}
-    for gate, judge in ((REPLAY_GATE, _score), (SAFETY_GATE, _safety)):
+    for gate, judge in ((REPLAY_GATE, score_gate), (SAFETY_GATE, safety_gate)):
         try:
             results[gate] = await asyncio.to_thread(judge, state, replay)
         except Exception as e:
@@ -201,18 +203,10 @@ class Replay:
 async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -> Replay | GateResult:
     """The replay: both versions' answers, or a `skipped` result when there is nothing to evaluate."""
     settings = state.settings
-    evalset = await asyncio.to_thread(_collect, state)
-    counts = {"suite_cases": sum(c.source.startswith("suite:") for c in evalset.cases),
-              "held_out_cases": sum(c.source.startswith("held-out:") for c in evalset.cases),
-              "held_out_sessions": evalset.held_out_sessions, "unscored_held_out_steps": evalset.unscored_held_out}
-    if settings.gates == "off" and not evalset.cases:
-        return GateResult(GateState.skipped, {**counts, "gates": "off", "reason": "no evaluation cases, and gates are "
-                                              "off by setting (ATDP_GATES=off): promoted unevaluated"}, [])
-    if settings.gates == "on" and len(evalset.cases) < settings.eval_min_cases:
-        return GateResult(GateState.pending, {**counts, "cases": len(evalset.cases), "needs": settings.eval_min_cases,
-                                              "reason": f"waiting for evaluation cases: {len(evalset.cases)} of "
-                                              f"{settings.eval_min_cases} (held-out rewarded sessions, operator "
-                                              "suites); counted again every ATDP_EVAL_RECHECK_S"}, [])
+    evalset = await asyncio.to_thread(collect_cases, state)
+    counts = case_counts(evalset)
+    if (early := too_few_cases(settings, evalset, counts)) is not None:
+        return early
     serving = versions.current
     if serving is None:
         raise GateError("the serving version is not known yet")
@@ -237,7 +231,35 @@ async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -
     return Replay(evalset, base_answers, cand_answers, counts)
 
 
-def _collect(state: AppState) -> EvalSet:
+def case_counts(evalset: EvalSet) -> dict[str, int]:
+    return {"suite_cases": sum(c.source.startswith("suite:") for c in evalset.cases),
+            "held_out_cases": sum(c.source.startswith("held-out:") for c in evalset.cases),
+            "held_out_sessions": evalset.held_out_sessions, "unscored_held_out_steps": evalset.unscored_held_out}
+
+
+def too_few_cases(settings: Settings, evalset: EvalSet, counts: dict[str, int]) -> GateResult | None:
+    """`skipped` (gates off, no case at all) or `pending` (gates on, fewer than the minimum), else None."""
+    if settings.gates == "off" and not evalset.cases:
+        return GateResult(GateState.skipped, {**counts, "gates": "off", "reason": "no evaluation cases, and gates are "
+                                              "off by setting (ATDP_GATES=off): promoted unevaluated"}, [])
+    if settings.gates == "on" and len(evalset.cases) < settings.eval_min_cases:
+        return GateResult(GateState.pending, {**counts, "cases": len(evalset.cases), "needs": settings.eval_min_cases,
+                                              "reason": f"waiting for evaluation cases: {len(evalset.cases)} of "
+                                              f"{settings.eval_min_cases} (held-out rewarded sessions, operator "
+                                              "suites); counted again every ATDP_EVAL_RECHECK_S"}, [])
+    return None
+
+
+def answer_of(data: dict[str, Any]) -> Answer:
+    """A chat completion's first choice as the evaluators read it."""
+    choice = data["choices"][0]
+    message = choice["message"]
+    calls = [{"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
+             for c in message.get("tool_calls") or []]
+    return Answer(text=message.get("content") or "", tool_calls=calls, finish_reason=choice.get("finish_reason"))
+
+
+def collect_cases(state: AppState) -> EvalSet:
     settings = state.settings
     try:
         evalset = load_suites(settings.eval_suites, max_tokens=settings.eval_max_tokens)
@@ -257,7 +279,7 @@ def _collect(state: AppState) -> EvalSet:
     return evalset
 
 
-def _score(state: AppState, replay: Replay) -> GateResult:
+def score_gate(state: AppState, replay: Replay) -> GateResult:
     evalset, base, cand, counts = replay.evalset, replay.serving, replay.candidate, replay.counts
     registry = Registry()
     pairs: list[Pair] = []
@@ -285,7 +307,7 @@ def _score(state: AppState, replay: Replay) -> GateResult:
     return GateResult(GateState.passed if verdict.passed else GateState.failed, numbers, verdict.reasons)
 
 
-def _safety(state: AppState, replay: Replay) -> GateResult:
+def safety_gate(state: AppState, replay: Replay) -> GateResult:
     assert state.factory is not None
     with state.factory() as s:
         policies = {tenant: state.policies.policy_for(s, tenant) for tenant in {c.tenant for c in replay.evalset.cases}}
@@ -312,11 +334,7 @@ async def _answers(client: httpx.AsyncClient, replica: Replica, model: str, case
             resp = await client.post(replica.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
         if resp.status_code >= 400:
             raise GateError(f"case {case.id}: the engine answered {resp.status_code}: {resp.text[:300]}")
-        choice = resp.json()["choices"][0]
-        message = choice["message"]
-        calls = [{"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}
-                 for c in message.get("tool_calls") or []]
-        return Answer(text=message.get("content") or "", tool_calls=calls, finish_reason=choice.get("finish_reason"))
+        return answer_of(resp.json())
 
     return list(await asyncio.gather(*(one(c) for c in cases)))
 
@@ -333,7 +351,7 @@ async def recheck_waiting(state: AppState, versions: Versions) -> None:
 
         def waiting(s) -> list[VersionRef]:
             rows = s.execute(select(t.ModelVersion).join(t.VersionGate, t.VersionGate.version_id == t.ModelVersion.id)
-                             .where(t.ModelVersion.status == VersionStatus.evaluating,
+                             .where(t.ModelVersion.status == VersionStatus.evaluating, t.ModelVersion.layer == POLICY,
                                     t.VersionGate.gate == REPLAY_GATE, t.VersionGate.state == GateState.pending)
                              .order_by(t.ModelVersion.created_at)).scalars().all()
             return [VersionRef(row.id, row.name, row.checkpoint) for row in rows]
@@ -357,7 +375,8 @@ async def resume_gates(state: AppState, versions: Versions) -> list[str]:
         await asyncio.to_thread(versions.ready.wait, 1.0)
 
     def pending(s) -> list[VersionRef]:
-        rows = s.scalars(select(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.evaluating)
+        rows = s.scalars(select(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.evaluating,
+                                                      t.ModelVersion.layer == POLICY)
                          .order_by(t.ModelVersion.created_at)).all()
         for row in rows:
             s.add(t.AuditEvent(actor="system", action="version.gates_resumed", target=row.id, details={"name": row.name}))

@@ -13,6 +13,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from atdp_schema.models import VersionStatus
+from proxy.store import tables as t
+from proxy.store.layers import facts_of
 from proxy.store.versions import SAFETY_GATE, find_version, override_of
 
 ROLLBACK_COMMAND = ('curl -sX POST "$ATDP_URL/atdp/v1/versions/{id}/rollback" '
@@ -32,7 +34,10 @@ def version_card(s: Session, key: str) -> dict[str, Any] | None:
     served = row["status"] in (VersionStatus.serving, VersionStatus.canary)
     restores = row["rollback_restores"]
     override = override_of(s, v.id)
+    if row["layer"] != "policy":
+        return _layer_card(s, v, row, served, restores, override)
     return {
+        "layer": "policy", "scope": None,
         "version": {"id": v.id, "name": v.name, "status": row["status"], "checkpoint": row["checkpoint"],
                     "created_at": _iso(row["created_at"]), "served_at": _iso(row["served_at"]),
                     "retired_at": _iso(row["retired_at"]), "error": v.error},
@@ -54,6 +59,51 @@ def version_card(s: Session, key: str) -> dict[str, Any] | None:
             "note": _rollback_note(v.name, row["status"], served, restores),
         },
     }
+
+
+def _layer_card(s: Session, v: t.ModelVersion, row: Any, served: bool, restores: str | None,
+                override: dict[str, Any] | None) -> dict[str, Any]:
+    """The same card for a harness or memory version: what it changes instead of what it trained on."""
+    evidence = (v.metrics or {}).get("evidence") or {}
+    none = "no overlay" if row["layer"] == "harness" else "no memory"
+    if not served:
+        note = f"{v.name} is {row['status']}: only a serving version can be rolled back"
+    else:
+        note = f"{row['scope'] or 'every tenant'} goes back to {restores or none}; {v.name} is rolled_back"
+    return {
+        "layer": row["layer"], "scope": row["scope"],
+        "version": {"id": v.id, "name": v.name, "status": row["status"], "checkpoint": None,
+                    "created_at": _iso(row["created_at"]), "served_at": _iso(row["served_at"]),
+                    "retired_at": _iso(row["retired_at"]), "error": v.error},
+        "changed": {"parent": row["parent"], "summary": layer_summary(s, v), "spec": row["spec"]},
+        "why": {"trigger": row["why"], "override": override, "findings": evidence.get("findings", []),
+                "rules": evidence.get("why", [])},
+        "gates": row["gates"],
+        "affected": _affected(row["affected_sessions"], {}, None),
+        "rollback": {"possible": served, "command": ROLLBACK_COMMAND.format(id=v.id) if served else None,
+                     "restores": restores, "note": note},
+    }
+
+
+def layer_summary(s: Session, v: t.ModelVersion) -> list[str]:
+    """What a harness or memory version changes, one line per change."""
+    spec = v.spec or {}
+    if v.layer == "memory":
+        facts = facts_of(s, v.tenant_id or "", [str(i) for i in spec.get("facts") or []])
+        return [f"{len(facts)} facts"] + [f"fact: {f.text[:200]}" for f in facts[:20]]
+    o = spec.get("overlay") or {}
+    lines = []
+    if o.get("system_append"):
+        lines.append(f"system prompt += {o['system_append'][:200]!r}")
+    for tool, patch in (o.get("tools") or {}).items():
+        for key, value in patch.items():
+            if key == "properties":
+                lines += [f"{tool}.{arg}: {_inline(keys)}" for arg, keys in value.items()]
+            else:
+                lines.append(f"{tool}.{key}: {str(value)[:200]}")
+    if o.get("stop"):
+        lines.append(f"stop += {o['stop']}")
+    return lines
 
 
 def _rollback_note(name: str, status: str, served: bool, restores: str | None) -> str:
@@ -82,6 +132,8 @@ def _iso(value: Any) -> str | None:
 def card_markdown(card: dict[str, Any]) -> str:
     v, ch, why, rb = card["version"], card["changed"], card["why"], card["rollback"]
     lin, rw = ch["lineage"], ch["reward"]
+    if card.get("layer", "policy") != "policy":
+        return _layer_markdown(card)
     lines = [
         f"# Version {v['name']} ({v['status']})", "",
         f"- id: `{v['id']}`", f"- checkpoint: `{v['checkpoint']}`",
@@ -143,6 +195,28 @@ def card_markdown(card: dict[str, Any]) -> str:
               "", "## Rollback", "", f"- {rb['note']}"]
     if rb["command"]:
         lines.append(f"- `{rb['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def _layer_markdown(card: dict[str, Any]) -> str:
+    v, rb = card["version"], card["rollback"]
+    lines = [f"# {card['layer'].capitalize()} version {v['name']} ({v['status']})", "",
+             f"- id: `{v['id']}`; scope: {card['scope'] or 'every tenant'}",
+             f"- created {v['created_at']}, served {v['served_at'] or '-'}, retired {v['retired_at'] or '-'}",
+             *([f"- error: {v['error']}"] if v["error"] else []), "", "## Changed", "",
+             f"- parent: {card['changed']['parent'] or '-'}", *[f"- {x}" for x in card["changed"]["summary"]], "",
+             "## Why", "", f"- trigger: {card['why']['trigger']}", *[f"- finding: {f}" for f in card["why"]["findings"]],
+             "", "## Gates", ""]
+    for g in card["gates"] or []:
+        n = g.get("numbers") or {}
+        o = n.get("overall") if isinstance(n.get("overall"), dict) else None
+        detail = (f": n={o['n']}, candidate {o['candidate_mean']:.3f}, serving {o['serving_mean']:.3f}, difference "
+                  f"{o['diff_mean']:+.3f} [{o['ci_low']:+.3f}, {o['ci_high']:+.3f}]"
+                  if o and g["gate"] != SAFETY_GATE and "diff_mean" in o else "")
+        lines.append(f"- **{g['gate']}**: {g['state']}{detail}")
+    af = card["affected"]
+    lines += ["", "## Affected", "", f"- {af['sessions']} sessions: {_inline(af['tenants'])}", "", "## Rollback", "",
+              f"- {rb['note']}"] + ([f"- `{rb['command']}`"] if rb["command"] else [])
     return "\n".join(lines) + "\n"
 
 

@@ -37,6 +37,7 @@ SELECT v.name, v.status, v.created_at, v.served_at, p.name AS parent, g.state AS
   FROM model_versions v
   LEFT JOIN model_versions p ON p.id = v.parent_id
   LEFT JOIN version_gates g ON g.version_id = v.id AND g.gate = :gate
+ WHERE v.layer = 'policy'
  ORDER BY v.created_at, v.name
 """
 

@@ -152,6 +152,8 @@ def _step(st: t.Step, session_ext: str, contents: dict[str, Any], prompt_ids: li
         ),
         trained_in=trained.get(st.id, []),
         replay_of=st.replay_of,
+        layers=m.Layers(harness_version=st.harness_version, memory_version=st.memory_version,
+                        memory_facts=list(st.memory_facts or [])),
     )
 
 
@@ -160,7 +162,7 @@ def version_model(s: Session, v: t.ModelVersion) -> m.ModelVersion:
     return m.ModelVersion(
         id=v.id, name=v.name, parent=v.parent_id, checkpoint=v.checkpoint, status=v.status,
         training_run=v.training_run_id, metrics=v.metrics or {}, created_at=v.created_at, served_at=v.served_at,
-        lineage=lineage,
+        lineage=lineage, layer=v.layer, scope=v.tenant_id, spec=v.spec or {},
     )
 
 

@@ -93,6 +93,9 @@ class StepRecord:
     visibility: str = "tenant"
     retention_until: datetime | None = None
     replay_of: str | None = None
+    harness_version: str | None = None  # the layers the call was sent with (proxy.layers)
+    memory_version: str | None = None
+    memory_facts: list[str] | None = None  # ids of the facts memory put into its context
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -17,6 +17,7 @@ from sqlalchemy import (
     REAL,
     BigInteger,
     Boolean,
+    Computed,
     DateTime,
     Float,
     ForeignKey,
@@ -29,7 +30,7 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TSVECTOR
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.orm import Session as OrmSession
 
@@ -160,8 +161,15 @@ class Step(Base):
     skipped_reason: Mapped[str | None] = mapped_column(Text)  # e.g. "stale: 5 versions behind"
     replay_of: Mapped[str | None] = mapped_column(String(36))
     written_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    # Layers (migration 0017): the harness and memory versions the call was sent with, and the facts
+    # memory put into its context (ids into memory_facts).
+    harness_version: Mapped[str | None] = mapped_column(String(36))
+    memory_version: Mapped[str | None] = mapped_column(String(36))
+    memory_facts: Mapped[list[str] | None] = mapped_column(ARRAY(String(36)))
     __table_args__ = (
         UniqueConstraint("session_id", "seq", name="uq_steps_session_seq"),
+        Index("ix_steps_harness_version", "harness_version", postgresql_where=text("harness_version IS NOT NULL")),
+        Index("ix_steps_memory_version", "memory_version", postgresql_where=text("memory_version IS NOT NULL")),
         Index("ix_steps_tenant_started", "tenant_id", "started_at"),
         Index("ix_steps_model_version", "model_version"),
         # The trainer's work queue: eligible, not yet trained steps.
@@ -221,7 +229,7 @@ class ModelVersion(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
-    checkpoint: Mapped[str] = mapped_column(Text)
+    checkpoint: Mapped[str | None] = mapped_column(Text)  # policy versions only
     status: Mapped[str] = mapped_column(String(16))
     training_run_id: Mapped[str | None] = mapped_column(String(36))
     metrics: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
@@ -229,6 +237,32 @@ class ModelVersion(Base):
     created_at: Mapped[datetime] = mapped_column(server_default=NOW)
     served_at: Mapped[datetime | None]
     retired_at: Mapped[datetime | None]
+    # policy (weights) | harness (an overlay of the calls) | memory (facts retrieved into them): migration 0017
+    layer: Mapped[str] = mapped_column(String(16), server_default="policy")
+    tenant_id: Mapped[str | None] = mapped_column(String(128))  # the scope; NULL: every tenant
+    spec: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))  # overlay, or facts' ids
+    __table_args__ = (Index("ix_model_versions_layer_status", "layer", "status"),)
+
+
+sql_text = text  # MemoryFact has a column named `text`
+
+
+class MemoryFact(Base):
+    """One fact of a tenant's memory: redacted text, what supplied it, and its full-text vector."""
+
+    __tablename__ = "memory_facts"
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(128))
+    text: Mapped[str] = mapped_column(Text)
+    source: Mapped[dict[str, Any]] = mapped_column(server_default=sql_text("'{}'::jsonb"))  # feedback, sessions
+    created_by: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(server_default=NOW)
+    tsv: Mapped[Any] = mapped_column(TSVECTOR, Computed("to_tsvector('english', text)", persisted=True))
+    __table_args__ = (
+        Index("ix_memory_facts_tenant", "tenant_id"),
+        Index("ix_memory_facts_tsv", "tsv", postgresql_using="gin"),
+        Index("ix_memory_facts_sessions", sql_text("(source -> 'sessions')"), postgresql_using="gin"),
+    )
 
 
 class VersionLineage(Base):

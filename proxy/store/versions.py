@@ -17,6 +17,7 @@ from proxy.store import tables as t
 from proxy.store.write import pg_safe
 
 BASE_NAME = "base"
+POLICY = "policy"  # the weights' layer; harness and memory versions: proxy.store.layers
 
 
 EVER_SERVED = (VersionStatus.serving, VersionStatus.retired, VersionStatus.rolled_back)
@@ -31,7 +32,7 @@ class VersionRef:
 
 def serving_version(s: Session) -> t.ModelVersion | None:
     return s.scalars(
-        select(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.serving)
+        select(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.serving, t.ModelVersion.layer == POLICY)
         .order_by(t.ModelVersion.served_at.desc().nulls_last(), t.ModelVersion.created_at.desc()).limit(1)
     ).first()
 
@@ -43,7 +44,7 @@ def find_version(s: Session, key: str) -> t.ModelVersion | None:
 
 def next_name(s: Session) -> str:
     """`v<N>`, N one more than the number of versions (the caller retries on a name clash)."""
-    n = s.scalar(select(func.count()).select_from(t.ModelVersion)) or 0
+    n = s.scalar(select(func.count()).select_from(t.ModelVersion).where(t.ModelVersion.layer == POLICY)) or 0
     while s.scalar(select(t.ModelVersion.id).where(t.ModelVersion.name == f"v{n}")):
         n += 1
     return f"v{n}"
@@ -81,7 +82,8 @@ def record_swap(s: Session, target: VersionRef, outcome: dict, *, actor: str, le
     Failure: a new candidate is `failed` (steps released); an existing version keeps its status."""
     now = datetime.now(UTC)
     if outcome["ok"]:
-        s.execute(update(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.serving, t.ModelVersion.id != target.id)
+        s.execute(update(t.ModelVersion).where(t.ModelVersion.status == VersionStatus.serving, t.ModelVersion.id != target.id,
+                                               t.ModelVersion.layer == POLICY)
                   .values(status=left_status, retired_at=now))
         s.execute(update(t.ModelVersion).where(t.ModelVersion.id == target.id)
                   .values(status=VersionStatus.serving, served_at=now, retired_at=None, error=None))
@@ -161,7 +163,11 @@ def superseded_by(s: Session, version_id: str) -> str | None:
     that waited for evaluation cases meanwhile is out of date (promoting it would put an older
     version in place of a newer one that passed its own gates)."""
     mine = select(t.ModelVersion.created_at).where(t.ModelVersion.id == version_id).scalar_subquery()
+    layer = select(t.ModelVersion.layer).where(t.ModelVersion.id == version_id).scalar_subquery()
+    scope = select(t.ModelVersion.tenant_id).where(t.ModelVersion.id == version_id).scalar_subquery()
     return s.scalar(select(t.ModelVersion.name).where(t.ModelVersion.status == VersionStatus.serving,
+                                                      t.ModelVersion.layer == layer,
+                                                      t.ModelVersion.tenant_id.is_not_distinct_from(scope),
                                                       t.ModelVersion.created_at > mine).limit(1))
 
 

@@ -167,11 +167,12 @@ STEP_COLUMNS = (
     "output_hash", "token_source", "prompt_prefix_len", "prompt_token_ids", "output_token_ids", "output_logprobs",
     "output_versions", "output_mask", "prompt_path", "finish_reason", "started_at", "ttft_ms", "total_ms", "prompt_tokens",
     "completion_tokens", "cost", "redaction", "eligibility", "eligibility_reason", "visibility", "retention_until",
-    "replay_of",
+    "replay_of", "harness_version", "memory_version", "memory_facts",
 )
 
 
-STEP_ARRAYS = frozenset({"message_hashes", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_mask"})
+STEP_ARRAYS = frozenset({"message_hashes", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_mask",
+                         "memory_facts"})
 
 
 def _int4(value: int | None) -> int | None:
@@ -200,6 +201,7 @@ def _step_row(r: StepRecord, sid: str, seq: int) -> tuple:
         None if r.output_mask is None else binary_int4s(r.output_mask), r.prompt_path, _text(r.finish_reason),
         r.started_at, r.ttft_ms, r.total_ms, _int4(r.prompt_tokens), _int4(r.completion_tokens), r.cost,
         jsonb(r.redaction), r.eligibility, r.eligibility_reason, r.visibility, r.retention_until, r.replay_of,
+        r.harness_version, r.memory_version, None if r.memory_facts is None else binary_texts(r.memory_facts),
     )
 
 

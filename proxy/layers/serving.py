@@ -1,0 +1,160 @@
+"""Which harness and memory versions a call gets, and applying them to its body.
+
+Each proxy keeps the harness and memory versions that serve or are in their canary (a few rows) in
+memory, read again every `ATDP_LAYERS_REFRESH_S` and at once after this proxy promotes or rolls one
+back, so a call costs no database read for the harness; memory costs one indexed full-text search
+(proxy.store.layers.search), only when a memory version serves the call's tenant and the call's last
+message is the user's.
+
+Scope: a tenant's own version, else the global one (harness; memory is always a tenant's). A version in
+its canary serves the sessions whose bucket (a hash of version, tenant and session id: sticky, the same
+on every proxy, no row written) falls below its fraction; the rest get the serving version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from atdp_schema.models import VersionStatus
+from proxy.layers.memory import query_terms, question_text, tsquery, with_facts
+from proxy.layers.overlay import HarnessOverlay, OverlayError, apply_harness, parse_overlay
+from proxy.store.canary import bucket
+from proxy.store.layers import HARNESS, MEMORY, LayerRow, active_layers, search
+
+log = logging.getLogger("atdp.layers")
+
+
+@dataclass(frozen=True)
+class LayerVersion:
+    id: str
+    name: str
+    layer: str
+    tenant: str | None
+    overlay: HarnessOverlay | None = None  # harness
+    facts: tuple[str, ...] = ()  # memory: the facts' ids
+    canary_fraction: float | None = None  # in its canary: the share of new sessions it serves
+
+
+@dataclass
+class Applied:
+    """What a call was sent with: recorded on its step and named in its response headers."""
+
+    harness: LayerVersion | None = None
+    memory: LayerVersion | None = None
+    facts: list[str] | None = None  # ids of the facts put into the context (None: memory not searched)
+
+
+@dataclass
+class _Scope:
+    serving: LayerVersion | None = None
+    canary: LayerVersion | None = None
+
+
+def layer_version(row: LayerRow) -> LayerVersion | None:
+    fraction = row.canary_fraction
+    if row.layer == HARNESS:
+        try:
+            overlay = parse_overlay(row.spec.get("overlay"))
+        except OverlayError as e:  # checked when registered; a row edited by hand is skipped, loudly
+            log.error("harness version %s is not applied: %s", row.name, e)
+            return None
+        return LayerVersion(row.id, row.name, row.layer, row.tenant, overlay=overlay, canary_fraction=fraction)
+    facts = tuple(str(f) for f in row.spec.get("facts") or [])
+    return LayerVersion(row.id, row.name, row.layer, row.tenant, facts=facts, canary_fraction=fraction)
+
+
+@dataclass
+class Layers:
+    factory: sessionmaker[Session] | None = None
+    refresh_s: float = 2.0
+    top_k: int = 3
+    scopes: dict[tuple[str, str | None], _Scope] = field(default_factory=dict)
+    loaded_at: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.scopes)
+
+    def reload(self) -> None:
+        """Read the active versions (blocking: call it on a thread)."""
+        if self.factory is None:
+            return
+        with self.factory() as s:
+            rows = active_layers(s)
+        scopes: dict[tuple[str, str | None], _Scope] = {}
+        for row in rows:
+            v = layer_version(row)
+            if v is None:
+                continue
+            scope = scopes.setdefault((row.layer, row.tenant), _Scope())
+            if row.status == VersionStatus.canary:
+                scope.canary = scope.canary or v
+            else:
+                scope.serving = scope.serving or v
+        self.scopes, self.loaded_at = scopes, time.monotonic()
+
+    async def run(self, stopping: threading.Event) -> None:
+        """Re-read every `refresh_s` (versions another proxy promoted); the database may be away."""
+        while not stopping.is_set():
+            try:
+                await asyncio.to_thread(self.reload)
+            except Exception as e:
+                log.warning("could not read the serving harness and memory versions: %s", type(e).__name__)
+            await asyncio.sleep(self.refresh_s)
+
+    def pick(self, layer: str, tenant: str, session_id: str) -> LayerVersion | None:
+        for key in ((layer, tenant), (layer, None)) if layer == HARNESS else ((layer, tenant),):
+            scope = self.scopes.get(key)
+            if scope is None:
+                continue
+            c = scope.canary
+            if c is not None and c.canary_fraction and bucket(c.id, tenant, session_id) < c.canary_fraction:
+                return c
+            if scope.serving is not None:
+                return scope.serving
+        return None
+
+    def serving_for(self, layer: str, tenant: str) -> LayerVersion | None:
+        """The version of `layer` that serves the tenant's sessions outside any canary."""
+        for key in ((layer, tenant), (layer, None)) if layer == HARNESS else ((layer, tenant),):
+            scope = self.scopes.get(key)
+            if scope is not None and scope.serving is not None:
+                return scope.serving
+        return None
+
+    async def apply(self, body: dict[str, Any], tenant: str, session_id: str) -> tuple[dict[str, Any], Applied]:
+        """The body as it goes out, and what was applied."""
+        return await self.configure(body, tenant, self.pick(HARNESS, tenant, session_id),
+                                    self.pick(MEMORY, tenant, session_id))
+
+    async def configure(self, body: dict[str, Any], tenant: str, harness: LayerVersion | None,
+                        memory: LayerVersion | None) -> tuple[dict[str, Any], Applied]:
+        """The body with these versions applied (the replay gate gives both arms' versions). Memory that
+        cannot be searched (the database away) sends the call without facts rather than failing it; the
+        step then names no memory version."""
+        applied = Applied()
+        if harness is not None and harness.overlay is not None:
+            body, applied.harness = apply_harness(body, harness.overlay), harness
+        question = question_text(body) if memory is not None and memory.facts else None
+        if memory is not None and question is not None:
+            query = tsquery(query_terms(question))
+            try:
+                found = await asyncio.to_thread(self._search, tenant, list(memory.facts), query)
+            except Exception as e:
+                log.warning("memory %s not searched: %s", memory.name, type(e).__name__)
+            else:
+                applied.memory, applied.facts = memory, [fid for fid, _ in found]
+                body = with_facts(body, [text for _, text in found])
+        return body, applied
+
+    def _search(self, tenant: str, ids: list[str], query: str) -> list[tuple[str, str]]:
+        assert self.factory is not None
+        with self.factory() as s:
+            return search(s, tenant, ids, query, self.top_k)

@@ -1,0 +1,175 @@
+"""Harness and memory versions, and memory's facts: the rows (migration 0017).
+
+A harness or memory version is a `model_versions` row with its `layer`, its scope (`tenant_id`, NULL for
+every tenant; memory is always one tenant's) and its `spec` (the overlay, or `{"facts": [ids]}`). It has
+the statuses, gates, card and rollback of a weight version; promoting one moves no weights, only the
+row (the proxies read which versions serve: proxy.layers.serving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import delete, func, select, text, update
+from sqlalchemy.dialects.postgresql import array
+from sqlalchemy.orm import Session
+
+from atdp_schema.models import VersionStatus
+from proxy.store import tables as t
+from proxy.store.ids import new_id
+
+HARNESS, MEMORY, POLICY = "harness", "memory", "policy"
+LAYERS = (HARNESS, MEMORY)
+PREFIX = {HARNESS: "h", MEMORY: "m"}
+ACTIVE = (VersionStatus.serving, VersionStatus.canary)
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    id: str
+    name: str
+    layer: str
+    tenant: str | None
+    status: str
+    spec: dict[str, Any]
+    canary_fraction: float | None = None  # in its canary: the share of new sessions it serves
+
+
+def _row(v: t.ModelVersion) -> LayerRow:
+    canary = (v.metrics or {}).get("canary") or {}
+    fraction = canary.get("fraction") if v.status == VersionStatus.canary else None
+    return LayerRow(v.id, v.name, v.layer, v.tenant_id, v.status, dict(v.spec or {}),
+                    float(fraction) if fraction is not None else None)
+
+
+def layer_row(s: Session, version_id: str) -> LayerRow | None:
+    v = s.get(t.ModelVersion, version_id, populate_existing=True)
+    return _row(v) if v is not None and v.layer in LAYERS else None
+
+
+def active_layers(s: Session) -> list[LayerRow]:
+    """Every harness and memory version that serves or is in its canary."""
+    rows = s.scalars(select(t.ModelVersion).where(t.ModelVersion.layer.in_(LAYERS), t.ModelVersion.status.in_(ACTIVE))
+                     .order_by(t.ModelVersion.served_at.desc().nulls_last(), t.ModelVersion.created_at.desc()))
+    return [_row(v) for v in rows]
+
+
+def serving_layer(s: Session, layer: str, tenant: str | None) -> t.ModelVersion | None:
+    """The version of `layer` serving exactly this scope (a tenant's own, or the global one: None)."""
+    scope = t.ModelVersion.tenant_id.is_(None) if tenant is None else t.ModelVersion.tenant_id == tenant
+    return s.scalars(select(t.ModelVersion).where(t.ModelVersion.layer == layer, scope,
+                                                  t.ModelVersion.status == VersionStatus.serving)
+                     .order_by(t.ModelVersion.served_at.desc().nulls_last()).limit(1)).first()
+
+
+def next_layer_name(s: Session, layer: str) -> str:
+    """`h<N>` / `m<N>`: one more than the layer's versions (the caller retries on a clash)."""
+    n = (s.scalar(select(func.count()).select_from(t.ModelVersion).where(t.ModelVersion.layer == layer)) or 0) + 1
+    while s.scalar(select(t.ModelVersion.id).where(t.ModelVersion.name == f"{PREFIX[layer]}{n}")):
+        n += 1
+    return f"{PREFIX[layer]}{n}"
+
+
+def add_version(s: Session, *, layer: str, tenant: str | None, spec: dict[str, Any], name: str | None,
+                trigger: str, actor: str, evidence: dict[str, Any] | None = None) -> t.ModelVersion:
+    """A `candidate` of `layer` for the scope, its parent the version serving that scope now."""
+    parent = serving_layer(s, layer, tenant)
+    row = t.ModelVersion(id=new_id(), name=name or next_layer_name(s, layer), layer=layer, tenant_id=tenant,
+                         spec=spec, parent_id=parent.id if parent else None, checkpoint=None,
+                         status=VersionStatus.candidate, metrics={"trigger": trigger, **({"evidence": evidence}
+                                                                                          if evidence else {})})
+    s.add(row)
+    s.flush()
+    s.add(t.AuditEvent(actor=actor, action="version.registered", target=row.id,
+                       details={"name": row.name, "layer": layer, "scope": tenant, "trigger": trigger}))
+    return row
+
+
+def promote(s: Session, version_id: str, *, actor: str) -> str | None:
+    """The candidate serves its scope; the version that served it is `retired`. Returns that one's name."""
+    v = s.get(t.ModelVersion, version_id, populate_existing=True)
+    assert v is not None and v.layer in LAYERS
+    before = serving_layer(s, v.layer, v.tenant_id)
+    now = datetime.now(UTC)
+    if before is not None and before.id != v.id:
+        before.status, before.retired_at = VersionStatus.retired, now
+    v.status, v.served_at, v.retired_at, v.error = VersionStatus.serving, now, None, None
+    s.add(t.AuditEvent(actor=actor, action="version.promote", target=v.id,
+                       details={"name": v.name, "layer": v.layer, "scope": v.tenant_id,
+                                "left": before.name if before is not None and before.id != v.id else None}))
+    return before.name if before is not None and before.id != v.id else None
+
+
+def rollback(s: Session, version_id: str, *, actor: str) -> str | None:
+    """The serving (or canary) version is `rolled_back`; the version of its layer and scope that served
+    before it serves again (None: none did, the scope goes back to no overlay / no memory)."""
+    v = s.get(t.ModelVersion, version_id, populate_existing=True)
+    assert v is not None and v.layer in LAYERS
+    was_serving = v.status == VersionStatus.serving
+    now = datetime.now(UTC)
+    v.status, v.retired_at = VersionStatus.rolled_back, now
+    restored = None
+    if was_serving:
+        scope = t.ModelVersion.tenant_id.is_(None) if v.tenant_id is None else t.ModelVersion.tenant_id == v.tenant_id
+        restored = s.scalars(select(t.ModelVersion).where(
+            t.ModelVersion.layer == v.layer, scope, t.ModelVersion.id != v.id,
+            t.ModelVersion.status == VersionStatus.retired, t.ModelVersion.served_at.is_not(None),
+            t.ModelVersion.served_at < v.served_at).order_by(t.ModelVersion.served_at.desc()).limit(1)).first()
+        if restored is not None:
+            restored.status, restored.served_at, restored.retired_at = VersionStatus.serving, now, None
+    s.execute(update(t.Step).where(t.Step.trained_version_id == v.id).values(trained_version_id=None))
+    s.add(t.AuditEvent(actor=actor, action="version.rollback", target=v.id,
+                       details={"name": v.name, "layer": v.layer, "scope": v.tenant_id,
+                                "restored": restored.name if restored else None}))
+    return restored.name if restored else None
+
+
+# --- memory's facts ----------------------------------------------------------------------------------
+
+def add_facts(s: Session, tenant: str, facts: Iterable[tuple[str, dict[str, Any]]], *, actor: str) -> list[str]:
+    """Insert facts (text already redacted, and what supplied each); returns their ids, in order. A text
+    the tenant's memory holds already is not stored twice: its id is returned."""
+    ids = []
+    for body, source in facts:
+        have = s.scalar(select(t.MemoryFact.id).where(t.MemoryFact.tenant_id == tenant, t.MemoryFact.text == body))
+        if have is None:
+            have = new_id()
+            s.add(t.MemoryFact(id=have, tenant_id=tenant, text=body, source=source, created_by=actor))
+        ids.append(have)
+    s.flush()
+    return ids
+
+
+def facts_of(s: Session, tenant: str, ids: list[str]) -> list[t.MemoryFact]:
+    rows = {f.id: f for f in s.scalars(select(t.MemoryFact).where(t.MemoryFact.tenant_id == tenant,
+                                                                   t.MemoryFact.id.in_(ids)))}
+    return [rows[i] for i in ids if i in rows]
+
+
+SEARCH = text("""
+SELECT f.id, f.text
+  FROM memory_facts f, to_tsquery('english', :q) q
+ WHERE f.tenant_id = :tenant AND f.id = ANY(CAST(:ids AS varchar[])) AND f.tsv @@ q
+ ORDER BY ts_rank_cd(f.tsv, q) DESC, f.created_at, f.id
+ LIMIT :k""")
+
+
+def search(s: Session, tenant: str, ids: list[str], query: str, k: int) -> list[tuple[str, str]]:
+    """The `k` facts among `ids` that best match the tsquery `query` (proxy.layers.memory builds it)."""
+    if not ids or not query:
+        return []
+    return [(r.id, r.text) for r in s.execute(SEARCH, {"q": query, "tenant": tenant, "ids": ids, "k": k})]
+
+
+def forget_facts(s: Session, tenant: str, session_ids: list[str] | None) -> int:
+    """Delete the facts that forgotten sessions supplied (None: every fact of the tenant). A memory
+    version that listed one simply no longer finds it."""
+    q = delete(t.MemoryFact).where(t.MemoryFact.tenant_id == tenant)
+    if session_ids is not None:
+        if not session_ids:
+            return 0
+        q = q.where(t.MemoryFact.source["sessions"].op("?|")(array(session_ids)))
+    return s.execute(q).rowcount or 0

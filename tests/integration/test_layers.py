@@ -1,0 +1,242 @@
+"""Harness and memory versions (proxy.layers): proposed from the diagnosis or written by an operator,
+gated like weights, applied to every call of their scope through the vLLM path and a provider route,
+recorded on the step, on the card, and rolled back. Real PostgreSQL; the upstream is scripted where the
+case needs a model that reads its tool schema (a real tiny model cannot be made to), and a provider
+stand-in reached through LiteLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from proxy.config import UpstreamRoute
+from tests.fake_vllm import FakeVLLM, ServerThread
+from tests.provider_standins import start_openai
+
+ADMIN = {"authorization": "Bearer admin-test-key"}
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "description": "Temperature unit."}},
+        "required": ["city", "unit"]}}}]
+
+
+class SchemaReader(FakeVLLM):
+    """A model that gets the `unit` argument right only when its description spells out the values
+    (as models that ignore a bare `enum` do)."""
+
+    def plan(self, body: dict[str, Any]) -> dict[str, Any]:
+        plan = super().plan(body)
+        last = body["messages"][-1].get("content")
+        if isinstance(last, str) and last.startswith("#weather"):
+            unit_doc = next((tool["function"]["parameters"]["properties"]["unit"].get("description", "")
+                             for tool in body.get("tools") or [] if tool["function"]["name"] == "get_weather"), "")
+            unit = "celsius" if "Must be exactly one of" in unit_doc else "Celsius"
+            plan["text"] = ""
+            plan["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": last.split(" ", 1)[1], "unit": unit})}}]
+        return plan
+
+
+@pytest.fixture
+def reader():
+    fake = SchemaReader()
+    with ServerThread(fake) as server:
+        fake.url = server.url
+        yield fake
+
+
+def _suite(tmp_path, tenant: str, lines: list[dict]) -> Any:
+    folder = tmp_path / f"suites-{uuid.uuid4().hex[:6]}"
+    folder.mkdir()
+    (folder / "ops.jsonl").write_text("\n".join(json.dumps({"tenant": tenant, **x}) for x in lines) + "\n")
+    return folder
+
+
+def _detail(proxy, key: str) -> dict:
+    r = httpx.get(f"{proxy.url}/atdp/v1/versions/{key}", headers=ADMIN, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _weather(proxy, city: str, sid: str) -> Any:
+    c = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    return c.chat.completions.with_raw_response.create(
+        model="fake", tools=WEATHER, extra_headers={"x-atdp-session-id": sid},
+        messages=[{"role": "user", "content": f"#weather {city}"}])
+
+
+def test_a_harness_fix_is_proposed_from_schema_violations_gated_served_and_rolled_back(start_proxy, reader, tmp_path,
+                                                                                       factory):
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    cities = ["Paris", "Lyon", "Oslo", "Rome", "Lima", "Kyiv"]
+    suites = _suite(tmp_path, tenant, [{"id": f"w-{c}", "messages": [{"role": "user", "content": f"#weather {c}"}],
+                                        "tools": WEATHER, "evaluator": "tool-call-valid"} for c in cities])
+    proxy = start_proxy([reader.url], tenant=tenant, gates="on", eval_min_cases=4, eval_suites=suites)
+    assert proxy.versions.ready.wait(30)
+    for i, city in enumerate(cities):  # the model keeps sending "Celsius": not in the declared enum
+        r = _weather(proxy, city, f"{tenant}-s{i}")
+        assert "x-atdp-harness-version" not in r.headers
+    proxy.flush()
+
+    r = httpx.post(f"{proxy.url}/atdp/v1/evolve/proposals", headers=ADMIN, json={"tenant": tenant, "wait": True},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    harness = [p for p in r.json()["proposals"] if p["layer"] == "harness"]
+    assert len(harness) == 1 and harness[0]["scope"] == tenant, r.json()
+    assert any("get_weather" in f and "enum" in f for f in harness[0]["findings"])
+    version = harness[0]["version"]
+    gates = {g["gate"]: g for g in version["gates"]}
+    assert version["status"] == "serving", version
+    replay = gates["replay_eval"]["numbers"]["overall"]
+    assert gates["replay_eval"]["state"] == "passed" and replay["n"] == len(cities)
+    assert replay["serving_mean"] == 0.0 and replay["candidate_mean"] == 1.0  # the fix, measured on the suite
+    assert gates["safety"]["state"] == "passed"
+    patch = version["spec"]["overlay"]["tools"]["get_weather"]
+    assert "Must be exactly one of" in patch["properties"]["unit"]["description"]
+
+    # Served: the call goes out with the clearer schema, the answer is now valid, the step records it.
+    r = _weather(proxy, "Bern", f"{tenant}-after")
+    assert r.headers["x-atdp-harness-version"] == version["name"]
+    sent = reader.requests[-1]
+    assert "Must be exactly one of" in sent["tools"][0]["function"]["parameters"]["properties"]["unit"]["description"]
+    assert json.loads(r.parse().choices[0].message.tool_calls[0].function.arguments)["unit"] == "celsius"
+    steps = proxy.steps(factory, f"{tenant}-after")
+    assert [s.harness_version for s in steps] == [version["id"]]
+    session = httpx.get(f"{proxy.url}/atdp/v1/sessions/{tenant}-after", headers=ADMIN, timeout=10).json()
+    assert session["steps"][0]["layers"]["harness_version"] == version["id"]
+    card = httpx.get(f"{proxy.url}/atdp/v1/versions/{version['name']}/card", headers=ADMIN, timeout=10).json()
+    assert card["layer"] == "harness" and card["scope"] == tenant and card["why"]["trigger"] == "diagnosis proposal"
+    assert card["affected"]["tenants"] == {tenant: 1}
+    assert any(line.startswith("get_weather.unit: description") for line in card["changed"]["summary"])
+    assert card["rollback"]["possible"] and "no overlay" in card["rollback"]["note"]
+
+    # Rolled back: the scope has no overlay again.
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions/{version['name']}/rollback", headers=ADMIN, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "rolled_back" and r.json()["restored"] is None
+    r = _weather(proxy, "Bern", f"{tenant}-rolled")
+    assert "x-atdp-harness-version" not in r.headers
+    assert "Must be exactly one of" not in json.dumps(reader.requests[-1]["tools"])
+
+
+def _say(proxy, text: str, sid: str) -> Any:
+    c = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    return c.chat.completions.with_raw_response.create(
+        model="fake", extra_headers={"x-atdp-session-id": sid}, messages=[{"role": "user", "content": text}])
+
+
+FACTS = ["The billing service runs on port 8443.", "The audit service runs on port 9090.",
+         "The search service runs on port 7700."]
+
+
+def test_memory_from_fact_corrections_is_gated_searched_recorded_and_forgotten(start_proxy, reader, tmp_path, factory):
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    # The suite asks what only the facts answer; the scripted model repeats its context (it reads it).
+    suites = _suite(tmp_path, tenant, [
+        {"id": f"q-{name}", "messages": [{"role": "user", "content": f"#say which port does {name} use"}],
+         "evaluator": "regex", "expected": port} for name, port in
+        (("billing", "8443"), ("audit", "9090"), ("search", "7700"), ("billing service", "8443"))])
+    proxy = start_proxy([reader.url], tenant=tenant, gates="on", eval_min_cases=4, eval_suites=suites)
+    assert proxy.versions.ready.wait(30)
+    for i, fact in enumerate(FACTS):  # users correct the agent with facts it could not know
+        _say(proxy, f"#say I do not know the port {i}", f"{tenant}-c{i}")
+        proxy.flush()
+        fb = httpx.post(f"{proxy.url}/atdp/v1/sessions/{tenant}-c{i}/feedback", timeout=10,
+                        json={"reward": 0.0, "correction": fact})
+        assert fb.status_code == 200, fb.text
+    r = httpx.post(f"{proxy.url}/atdp/v1/evolve/proposals", headers=ADMIN, json={"tenant": tenant, "wait": True},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    memory = [p for p in r.json()["proposals"] if p["layer"] == "memory"]
+    assert len(memory) == 1, r.json()
+    version = memory[0]["version"]
+    replay = {g["gate"]: g for g in version["gates"]}["replay_eval"]
+    assert version["status"] == "serving", version
+    assert replay["numbers"]["overall"]["serving_mean"] == 0.0 and replay["numbers"]["overall"]["candidate_mean"] == 1.0
+    facts = httpx.get(f"{proxy.url}/atdp/v1/memory/facts", params={"tenant": tenant}, headers=ADMIN, timeout=10).json()
+    assert sorted(f["text"] for f in facts["facts"]) == sorted(FACTS)
+
+    r = _say(proxy, "#say which port does billing use", f"{tenant}-ask")
+    assert r.headers["x-atdp-memory-version"] == version["name"]
+    assert "8443" in r.parse().choices[0].message.content
+    [step] = proxy.steps(factory, f"{tenant}-ask")
+    billing = next(f["id"] for f in facts["facts"] if "billing" in f["text"])
+    assert step.memory_version == version["id"] and step.memory_facts[0] == billing
+    # A question sharing no word with any fact finds none (the step says memory was searched: no facts).
+    r = _say(proxy, "#say hello there", f"{tenant}-none")
+    [step] = proxy.steps(factory, f"{tenant}-none")
+    assert step.memory_facts == [] and "Facts from memory" not in reader.requests[-1]["messages"][-1]["content"]
+
+    # Forgetting the session that supplied a fact forgets the fact; the memory no longer finds it.
+    r = httpx.delete(f"{proxy.url}/atdp/v1/sessions/{tenant}-c0", headers=ADMIN, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["facts"] == 1
+    facts = httpx.get(f"{proxy.url}/atdp/v1/memory/facts", params={"tenant": tenant}, headers=ADMIN, timeout=10).json()
+    assert sorted(f["text"] for f in facts["facts"]) == sorted(FACTS[1:])
+    r = _say(proxy, "#say which port does billing use", f"{tenant}-after-forget")
+    assert "8443" not in r.parse().choices[0].message.content
+
+
+def test_a_memory_candidate_that_lowers_the_score_is_rejected_and_operator_facts_are_redacted(start_proxy, reader,
+                                                                                             tmp_path):
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    suites = _suite(tmp_path, tenant, [{"id": f"e-{i}", "messages": [{"role": "user", "content": f"#say ok {i}"}],
+                                        "evaluator": "regex", "expected": "^\\[w0\\] ok"} for i in range(5)])
+    proxy = start_proxy([reader.url], tenant=tenant, gates="on", eval_min_cases=4, eval_suites=suites)
+    assert proxy.versions.ready.wait(30)
+    # A fact in front of every "ok" question: the answers no longer start with "ok".
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, timeout=60, json={
+        "layer": "memory", "tenant": tenant, "facts": ["ok is written by jane.doe@example.com"], "wait": True})
+    assert r.status_code == 200, r.text
+    detail = r.json()
+    gates = {g["gate"]: g for g in detail["gates"]}
+    assert detail["status"] == "rejected" and gates["replay_eval"]["state"] == "failed", detail
+    facts = httpx.get(f"{proxy.url}/atdp/v1/memory/facts", params={"tenant": tenant}, headers=ADMIN, timeout=10).json()
+    assert "jane.doe@example.com" not in json.dumps(facts) and len(facts["facts"]) == 1
+    r = _say(proxy, "#say ok 1", f"{tenant}-s")
+    assert "x-atdp-memory-version" not in r.headers and r.parse().choices[0].message.content.startswith("[w0] ok")
+
+
+@pytest.mark.parametrize("bad", [
+    {"layer": "harness", "overlay": {"nothing": 1}}, {"layer": "harness", "overlay": {}},
+    {"layer": "harness", "overlay": {"tools": {"x": {"parameters": {"type": "string"}}}}},
+    {"layer": "memory", "facts": []}, {"layer": "memory", "facts": [""]}, {"layer": "policy"},
+    {"layer": "weights", "checkpoint": "/x"},
+])
+def test_bad_layer_bodies_are_422(start_proxy, fake_upstream, bad):
+    proxy = start_proxy([fake_upstream.url])
+    assert proxy.versions.ready.wait(30)
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, json=bad, timeout=10)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] in ("overlay", "facts", "layer", None)
+
+
+def test_a_harness_version_applies_on_a_provider_route(start_proxy, fake_upstream, monkeypatch):
+    key = f"sk-oa-{uuid.uuid4().hex}"
+    oa = start_openai(key)
+    try:
+        monkeypatch.setenv("ATDP_TEST_OA_KEY", key)
+        proxy = start_proxy([fake_upstream.url], gates="off", routes=[UpstreamRoute(
+            model="gpt-*", provider="openai/{model}", api_key_env="ATDP_TEST_OA_KEY", api_base=oa.url + "/v1")])
+        assert proxy.versions.ready.wait(30)
+        r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, timeout=60, json={
+            "layer": "harness", "overlay": {"system_append": "Cite the file you changed.", "stop": ["<END>"]},
+            "wait": True})
+        assert r.status_code == 200 and r.json()["status"] == "serving", r.text
+        c = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+        resp = c.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=[
+            {"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "fix it"}])
+        assert resp.headers["x-atdp-harness-version"] == r.json()["name"]
+        sent = oa.requests[-1]
+        assert sent["messages"][0]["content"] == "You are a coding agent.\n\nCite the file you changed."
+        assert "<END>" in sent["stop"]
+    finally:
+        oa.stop()
