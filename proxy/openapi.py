@@ -128,7 +128,8 @@ def _control_paths() -> dict[str, dict[str, Any]]:
         "/atdp/v1/versions": {
             "get": _op("every model version (admin)"),
             "post": _op("register a candidate checkpoint (under ATDP_CHECKPOINT_ROOTS) and run its gates; promote "
-                        "now skips them (admin; a versions:write key may register, not promote now)",
+                        "now skips them (admin; a versions:write key may register, not promote now); with a "
+                        "`layer`, a harness or memory candidate (LayerVersionRequest, admin)",
                         body=shapes.VersionRequest),
         },
         "/atdp/v1/versions/{version_id}": {"get": _op("a version: status, gates, override (admin)", params=[version])},
@@ -144,6 +145,9 @@ def _control_paths() -> dict[str, dict[str, Any]]:
         "/atdp/v1/tenants/{tenant}": {"delete": _op("forget a tenant's data (admin)", params=[tenant, _query("reason")])},
         "/atdp/v1/retention/run": {"post": _op("run retention now (admin)")},
         "/atdp/v1/audit": {"get": _op("audit rows, newest first (admin)", params=audit, ok=page)},
+        "/atdp/v1/evolve/proposals": {"post": _op("the diagnosis's harness and memory findings as gated "
+                                                  "candidates (admin)", body=shapes.ProposalRequest)},
+        "/atdp/v1/memory/facts": {"get": _op("a tenant's memory facts (admin)", params=[_query("tenant")])},
         "/atdp/v1/diagnosis": {"get": _op("ranked findings: where to fix (tenant key: its tenant; admin: all); "
                                           "rules may be overridden as query parameters; served from a snapshot "
                                           "(`generated_at`, `newer_data`) unless fresh=1",
@@ -174,7 +178,8 @@ def _service_paths() -> dict[str, dict[str, Any]]:
 def document() -> dict[str, Any]:
     """The whole OpenAPI 3.1 document (built once per app)."""
     models = [shapes.ChatCompletionRequest, shapes.ResponsesRequest, shapes.MessagesRequest,
-              shapes.CountTokensRequest, shapes.FeedbackRequest, shapes.VersionRequest, shapes.PolicyChange]
+              shapes.CountTokensRequest, shapes.FeedbackRequest, shapes.VersionRequest, shapes.LayerVersionRequest,
+              shapes.ProposalRequest, shapes.PolicyChange]
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     schemas = {**defs.get("$defs", {}), "OpenAIError": _OPENAI_ERROR, "AnthropicError": _ANTHROPIC_ERROR}
     return {

@@ -223,6 +223,25 @@ class VersionRequest(BaseModel):
     wait: bool = False  # answer when the gates have decided, instead of 202 at once
 
 
+class LayerVersionRequest(BaseModel):
+    """POST /atdp/v1/versions for a harness or memory version (proxy.control.layers; docs/layers.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    layer: Literal["harness", "memory"]
+    overlay: dict[str, Any] | None = None  # harness: system_append, tools, stop
+    facts: list[str] | None = Field(default=None, min_length=1, max_length=200)  # memory: added to the serving facts
+    tenant: str | None = Field(default=None, min_length=1, max_length=128)  # scope (memory: the caller's tenant)
+    name: str | None = Field(default=None, min_length=1, max_length=128)
+    reason: str | None = Field(default=None, min_length=1, max_length=128)
+    wait: bool = False
+
+
+class ProposalRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str | None = Field(default=None, min_length=1, max_length=128)  # none: every tenant
+    wait: bool = False  # answer when every proposal's gates have decided
+
+
 # --- checking a body ------------------------------------------------------------------------------------
 
 M = TypeVar("M", bound=BaseModel)

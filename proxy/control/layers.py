@@ -55,10 +55,13 @@ def routes(state: AppState, lg: LayerGates) -> list[Route]:
 
 
 def _string(body: dict[str, Any], key: str) -> str | None:
+    """A name (printable ASCII: it is echoed in a response header) or a tenant (an identifier)."""
     value = body.get(key)
-    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 128 or id_problem(value)
-                              or not (value.isascii() and value.isprintable())):
-        raise ApiError(422, f"'{key}' must be printable ASCII of 1 to 128 characters", param=key)
+    ascii_only = key == "name"
+    if value is not None and (not isinstance(value, str) or id_problem(value, 128)
+                              or (ascii_only and not (value.isascii() and value.isprintable()))):
+        raise ApiError(422, f"'{key}' must be {'printable ASCII' if ascii_only else 'an identifier'} of 1 to 128 "
+                            "characters", param=key)
     return value
 
 
@@ -148,7 +151,7 @@ def _proposals_route(state: AppState, lg: LayerGates) -> Endpoint:
         body: dict[str, Any] = {}
         if await request.body():
             body = await read_json(request, 16 * 1024)
-        if not isinstance(body, dict) or set(body) - {"tenant", "wait"}:
+        if not isinstance(body, dict) or set(body) - {"tenant", "wait"} or not isinstance(body.get("wait", False), bool):
             raise ApiError(422, 'body must be {"tenant"?: str, "wait"?: bool}')
         tenant = _string(body, "tenant")
         rules = _rules(state, request)
@@ -182,7 +185,7 @@ def _proposals_route(state: AppState, lg: LayerGates) -> Endpoint:
 def _facts_route(state: AppState) -> Endpoint:
     async def facts(request: Request) -> Response:
         principal = await state.authenticate(request, admin=True)
-        tenant = request.query_params.get("tenant") or principal.tenant
+        tenant = _string(dict(request.query_params), "tenant") or principal.tenant
 
         def read(s: Session) -> list[dict[str, Any]]:
             rows = s.scalars(select(t.MemoryFact).where(t.MemoryFact.tenant_id == tenant)
