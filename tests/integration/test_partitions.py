@@ -218,10 +218,15 @@ def test_the_migration_keeps_recorded_data_in_place_and_back(new_database):
     factory = db.session_factory(engine)
     try:
         with db.transaction(factory) as s:
-            # Today's writer counts forgets (0016): lent the column while it writes the 0014 data.
+            # Today's writer counts forgets (0016) and names each step's layers (0017): lent the
+            # columns while it writes the 0014 data.
             s.execute(text("ALTER TABLE tenants ADD COLUMN forgets bigint NOT NULL DEFAULT 0"))
+            s.execute(text("ALTER TABLE steps ADD COLUMN harness_version varchar(36), "
+                           "ADD COLUMN memory_version varchar(36), ADD COLUMN memory_facts varchar(36)[]"))
             before = _session(s, "tm", "before", NOW - timedelta(days=3), turns=3)
             s.execute(text("ALTER TABLE tenants DROP COLUMN forgets"))
+            s.execute(text("ALTER TABLE steps DROP COLUMN harness_version, DROP COLUMN memory_version, "
+                           "DROP COLUMN memory_facts"))
         db.upgrade(url)
         with db.transaction(factory) as s:
             assert _where(s, "steps", before) == {"steps_legacy"}
