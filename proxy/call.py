@@ -194,7 +194,8 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
     state = call.state
     if state.layers.active and path == "/v1/chat/completions":  # harness and memory versions (proxy.layers)
         upstream_body, call.layers = await state.layers.apply(upstream_body, call.principal.tenant,
-                                                              call.session.external_id)
+                                                              call.session.external_id,
+                                                              continues=call.continuation.history_len > 0)
     route = state.routes.match(call.model)
     if route is not None:
         call.provider, call.version, call.upstream_url = route, route.target(str(call.model)), route.label

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from proxy.lru import LRU
-from proxy.store.canary import BEFORE, CANDIDATE, CanaryRef, assign
+from proxy.store.canary import BEFORE, CANDIDATE, CanaryRef, assign_now
 
 log = logging.getLogger("atdp.canary")
 
@@ -78,13 +78,8 @@ class CanaryRouter:
         factory = self.factory
         if factory is None:
             return BEFORE
-
-        def write() -> str:
-            with factory() as s, s.begin():
-                return assign(s, ref, tenant, session_id, continues=continues)
-
         try:
-            arm = await asyncio.to_thread(write)
+            arm = await asyncio.to_thread(assign_now, factory, ref, tenant, session_id, continues=continues)
         except Exception as e:  # no database: the serving version serves it, and it is not counted
             log.warning("canary assignment of a session failed (%s: %s); the serving version serves it",
                         type(e).__name__, e)

@@ -11,8 +11,10 @@ version has no checkpoint. `memory_facts` holds the facts (redacted text, the fe
 supplied them, a full-text vector searched per call). Each step says which harness and memory version
 its call was sent with, and which facts were put into its context.
 
-`atdp_version_cards` counts a layer version's affected sessions from those columns, restores a version
-of the same layer and scope on rollback, and gains `layer`, `scope` and `spec` at its end.
+`atdp_version_cards` counts a layer version's affected sessions (and those of its canary arm) from those
+columns, restores a version of the same layer and scope on rollback, and gains `layer`, `scope` and
+`spec` at its end. A harness or memory canary is a `canaries` row like a weight version's, its serving
+arm possibly no version at all (`serving_id` NULL).
 """
 
 from collections.abc import Sequence
@@ -147,7 +149,9 @@ SELECT
               WHERE cs.version_id = v.id AND cs.arm = 'candidate'
                 AND EXISTS (SELECT 1 FROM sessions se JOIN steps st ON st.session_id = se.id
                              WHERE se.tenant_id = cs.tenant_id AND se.external_id = cs.session_id
-                               AND st.model_version = v.name)
+                               AND CASE v.layer WHEN 'harness' THEN st.harness_version = v.id
+                                                WHEN 'memory' THEN st.memory_version = v.id
+                                                ELSE st.model_version = v.name END)
               GROUP BY cs.tenant_id) x) AS canary_sessions,
     (SELECT c.decision FROM canaries c WHERE c.version_id = v.id) AS canary_decision,
     v.layer,
@@ -180,6 +184,8 @@ def upgrade() -> None:
     op.add_column("model_versions", sa.Column("spec", postgresql.JSONB(), server_default=sa.text("'{}'::jsonb"),
                                               nullable=False))
     op.alter_column("model_versions", "checkpoint", nullable=True)
+    # A harness or memory canary may run where no version of its layer serves yet (its serving arm: none).
+    op.alter_column("canaries", "serving_id", nullable=True)
     op.create_index("ix_model_versions_layer_status", "model_versions", ["layer", "status"])
     op.create_table(
         "memory_facts",
@@ -214,7 +220,8 @@ def downgrade() -> None:
     op.drop_column("steps", "harness_version")
     op.drop_table("memory_facts")
     op.drop_index("ix_model_versions_layer_status", table_name="model_versions")
-    op.execute("DELETE FROM model_versions WHERE layer <> 'policy'")
+    op.execute("DELETE FROM model_versions WHERE layer <> 'policy'")  # their canaries go with them (cascade)
+    op.alter_column("canaries", "serving_id", nullable=False)
     op.alter_column("model_versions", "checkpoint", nullable=False)
     op.drop_column("model_versions", "spec")
     op.drop_column("model_versions", "tenant_id")

@@ -10,7 +10,8 @@
 - `GET /atdp/v1/memory/facts?tenant=`: the tenant's facts (the admin key).
 - Rollback of a harness or memory version: `POST /atdp/v1/versions/{id}/rollback` (proxy.control.versions
   hands it here): it is `rolled_back`, the version of its layer and scope that served before it serves
-  again (or none: no overlay, no memory).
+  again (or none: no overlay, no memory); one in its canary ends the canary (its arm gets the serving
+  version again).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from proxy.evolve.proposals import Proposal, propose
 from proxy.http import Endpoint, Route, json_response, read_json, run_db
 from proxy.layers.overlay import OverlayError
 from proxy.layers.register import NothingNew, pending_of, register_harness, register_memory
+from proxy.rollout import layer_canary
 from proxy.rollout.layer_gates import LayerGates, LayerTarget, run_layer_gates
 from proxy.shapes import id_problem
 from proxy.state import AppState
@@ -121,8 +123,12 @@ async def create(state: AppState, lg: LayerGates, principal: Principal, body: di
 async def rollback_layer(state: AppState, principal: Principal, version: t.ModelVersion) -> Response:
     if version.status not in (VersionStatus.serving, VersionStatus.canary):
         raise ApiError(409, f"version '{version.name}' is {version.status}; only a serving version can be rolled back")
-    restored = await run_db(state, lambda s: rollback(s, version.id, actor=principal.actor))
-    await asyncio.to_thread(state.layers.reload)
+    if version.status == VersionStatus.canary:  # ends the canary: its arm gets the serving version again
+        restored = None
+        await layer_canary.rollback_now(state, version.id, actor=principal.actor)
+    else:
+        restored = await run_db(state, lambda s: rollback(s, version.id, actor=principal.actor))
+        await asyncio.to_thread(state.layers.reload)
     detail = await run_db(state, lambda s: version_detail(s, version.id))
     detail["restored"] = restored
     return json_response(detail)

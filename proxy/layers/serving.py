@@ -7,8 +7,10 @@ back, so a call costs no database read for the harness; memory costs one indexed
 message is the user's.
 
 Scope: a tenant's own version, else the global one (harness; memory is always a tenant's). A version in
-its canary serves the sessions whose bucket (a hash of version, tenant and session id: sticky, the same
-on every proxy, no row written) falls below its fraction; the rest get the serving version.
+its canary (proxy.rollout.layer_canary) serves its arm of the new sessions: a session's arm is decided by
+its first call during the canary and stored (`canary_sessions`, as for a weight version's canary: the
+same on every proxy and after a restart); sessions begun before it and the serving arm get the serving
+version. Each proxy keeps the arms it has seen, so a session costs one database write per canary.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from atdp_schema.models import VersionStatus
 from proxy.layers.memory import query_terms, question_text, tsquery, with_facts
 from proxy.layers.overlay import HarnessOverlay, OverlayError, apply_harness, parse_overlay
-from proxy.store.canary import bucket
+from proxy.store.canary import BEFORE, CANDIDATE, CanaryRef, assign_now
 from proxy.store.layers import HARNESS, MEMORY, LayerRow, active_layers, search
 
 log = logging.getLogger("atdp.layers")
@@ -39,7 +41,7 @@ class LayerVersion:
     tenant: str | None
     overlay: HarnessOverlay | None = None  # harness
     facts: tuple[str, ...] = ()  # memory: the facts' ids
-    canary_fraction: float | None = None  # in its canary: the share of new sessions it serves
+    canary: CanaryRef | None = None  # in its canary: which sessions it serves
 
 
 @dataclass
@@ -58,16 +60,15 @@ class _Scope:
 
 
 def layer_version(row: LayerRow) -> LayerVersion | None:
-    fraction = row.canary_fraction
     if row.layer == HARNESS:
         try:
             overlay = parse_overlay(row.spec.get("overlay"))
         except OverlayError as e:  # checked when registered; a row edited by hand is skipped, loudly
             log.error("harness version %s is not applied: %s", row.name, e)
             return None
-        return LayerVersion(row.id, row.name, row.layer, row.tenant, overlay=overlay, canary_fraction=fraction)
+        return LayerVersion(row.id, row.name, row.layer, row.tenant, overlay=overlay, canary=row.canary)
     facts = tuple(str(f) for f in row.spec.get("facts") or [])
-    return LayerVersion(row.id, row.name, row.layer, row.tenant, facts=facts, canary_fraction=fraction)
+    return LayerVersion(row.id, row.name, row.layer, row.tenant, facts=facts, canary=row.canary)
 
 
 @dataclass
@@ -77,6 +78,11 @@ class Layers:
     top_k: int = 3
     scopes: dict[tuple[str, str | None], _Scope] = field(default_factory=dict)
     loaded_at: float = 0.0
+    arms: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (canary, tenant, session) -> arm
+    max_arms: int = 100_000
+    # One reload at a time, reading and setting together: a periodic read begun before a promotion
+    # committed must not land after the promoting proxy's own reload.
+    reloading: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def active(self) -> bool:
@@ -86,7 +92,11 @@ class Layers:
         """Read the active versions (blocking: call it on a thread)."""
         if self.factory is None:
             return
-        with self.factory() as s:
+        with self.reloading:
+            self._reload(self.factory)
+
+    def _reload(self, factory: sessionmaker[Session]) -> None:
+        with factory() as s:
             rows = active_layers(s)
         scopes: dict[tuple[str, str | None], _Scope] = {}
         for row in rows:
@@ -98,6 +108,10 @@ class Layers:
                 scope.canary = scope.canary or v
             else:
                 scope.serving = scope.serving or v
+        canaries = {scope.canary.id for scope in scopes.values() if scope.canary is not None}
+        held = list(self.arms.items())  # one step under the GIL: the event loop adds arms meanwhile
+        if any(key[0] not in canaries for key, _ in held):  # a canary ended: its arms are done with
+            self.arms = {key: arm for key, arm in held if key[0] in canaries}
         self.scopes, self.loaded_at = scopes, time.monotonic()
 
     async def run(self, stopping: threading.Event) -> None:
@@ -109,17 +123,40 @@ class Layers:
                 log.warning("could not read the serving harness and memory versions: %s", type(e).__name__)
             await asyncio.sleep(self.refresh_s)
 
-    def pick(self, layer: str, tenant: str, session_id: str) -> LayerVersion | None:
+    async def pick(self, layer: str, tenant: str, session_id: str, *, continues: bool) -> LayerVersion | None:
+        """The version of `layer` this call gets: the canary's for a session in its candidate arm, else
+        the scope's serving one (a tenant without its own harness gets the global one)."""
         for key in ((layer, tenant), (layer, None)) if layer == HARNESS else ((layer, tenant),):
             scope = self.scopes.get(key)
             if scope is None:
                 continue
             c = scope.canary
-            if c is not None and c.canary_fraction and bucket(c.id, tenant, session_id) < c.canary_fraction:
+            if c is not None and c.canary is not None and await self.arm(c.canary, tenant, session_id,
+                                                                         continues=continues) == CANDIDATE:
                 return c
             if scope.serving is not None:
                 return scope.serving
         return None
+
+    async def arm(self, ref: CanaryRef, tenant: str, session_id: str, *, continues: bool) -> str:
+        """The session's arm of the canary: remembered, else read or assigned in the database. Without
+        the database the serving version serves it, and it is not counted."""
+        key = (ref.version_id, tenant, session_id)
+        arm = self.arms.get(key)
+        if arm is not None:
+            return arm
+        factory = self.factory
+        if factory is None:
+            return BEFORE
+        try:
+            arm = await asyncio.to_thread(assign_now, factory, ref, tenant, session_id, continues=continues)
+        except Exception as e:
+            log.warning("canary arm of a session not assigned (%s); the serving version serves it", type(e).__name__)
+            return BEFORE
+        if len(self.arms) >= self.max_arms:  # a cache: a forgotten arm is read back from its row
+            self.arms.clear()
+        self.arms[key] = arm
+        return arm
 
     def serving_for(self, layer: str, tenant: str) -> LayerVersion | None:
         """The version of `layer` that serves the tenant's sessions outside any canary."""
@@ -129,10 +166,12 @@ class Layers:
                 return scope.serving
         return None
 
-    async def apply(self, body: dict[str, Any], tenant: str, session_id: str) -> tuple[dict[str, Any], Applied]:
-        """The body as it goes out, and what was applied."""
-        return await self.configure(body, tenant, self.pick(HARNESS, tenant, session_id),
-                                    self.pick(MEMORY, tenant, session_id))
+    async def apply(self, body: dict[str, Any], tenant: str, session_id: str, *, continues: bool
+                    ) -> tuple[dict[str, Any], Applied]:
+        """The body as it goes out, and what was applied. `continues`: the call continues an earlier step
+        (a session that began before a canary stays out of it)."""
+        return await self.configure(body, tenant, await self.pick(HARNESS, tenant, session_id, continues=continues),
+                                    await self.pick(MEMORY, tenant, session_id, continues=continues))
 
     async def configure(self, body: dict[str, Any], tenant: str, harness: LayerVersion | None,
                         memory: LayerVersion | None) -> tuple[dict[str, Any], Applied]:

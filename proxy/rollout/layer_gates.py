@@ -13,8 +13,10 @@ Promotion moves the row (proxy.store.layers.promote) and this proxy's table of s
 other proxies read it within ATDP_LAYERS_REFRESH_S. A version waiting for cases is counted again every
 ATDP_EVAL_RECHECK_S, and one a stopped proxy left `evaluating` runs again at start-up.
 
-Not built: the per-session canary of a harness or memory candidate (gate 3). With ATDP_CANARY_FRACTION
-set, a layer candidate whose gates pass is promoted, its `canary` gate `skipped` saying so.
+Gate 3, with the canary on (ATDP_CANARY_FRACTION or ATDP_CANARY_TENANTS): a candidate whose replay and
+safety gates pass serves its arm of the new sessions until the sequential test promotes it or rolls it
+back (proxy.rollout.layer_canary); a candidate of a layer and scope whose canary runs starts its gates
+once that canary is decided.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from proxy import providers
 from proxy.evaluation.cases import Answer, EvalCase, EvalSet
 from proxy.http import run_db
 from proxy.layers.serving import layer_version
+from proxy.rollout import layer_canary
 from proxy.rollout.gates import (
     GateError,
     GateResult,
@@ -59,7 +62,6 @@ from proxy.store.versions import (
 )
 
 log = logging.getLogger("atdp.layers.gates")
-CANARY_GATE = "canary"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class LayerGates:
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    canaries: layer_canary.LayerCanaries = field(default_factory=layer_canary.LayerCanaries)
 
     def start(self, target: LayerTarget, run: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
         task = self.tasks.get(target.id)
@@ -97,9 +100,9 @@ async def run_layer_gates(state: AppState, lg: LayerGates, target: LayerTarget, 
         for gate in GATES:
             set_gate(s, target.id, gate, GateState.pending)
 
-    queued = asyncio.create_task(run_db(state, queue))
+    await run_db(state, queue)
+    await layer_canary.wait_for_scope(state, target.layer, target.tenant, target.id)
     async with lg.lock:
-        await queued
         if newer := await run_db(state, lambda s: superseded_by(s, target.id)):
             reason = f"superseded by {newer}, registered after it and serving now"
 
@@ -135,20 +138,13 @@ async def run_layer_gates(state: AppState, lg: LayerGates, target: LayerTarget, 
             await run_db(state, lambda s: mark_rejected(s, target.id, reasons, actor="gate:" + ",".join(blocking)))
             log.warning("%s version %s rejected: %s", target.layer, target.name, "; ".join(reasons))
             return
-        await promote_now(state, target, actor=actor)
+        if not await layer_canary.begin(state, lg.canaries, target.id, actor=actor):
+            await promote_now(state, target, actor=actor)
 
 
 async def promote_now(state: AppState, target: LayerTarget, *, actor: str) -> None:
-    canary_on = state.settings.canary_fraction > 0 or bool(state.settings.canary_tenants.strip())
-
-    def serve(s) -> None:
-        if canary_on:
-            set_gate(s, target.id, CANARY_GATE, GateState.skipped,
-                     {"reason": "the per-session canary of harness and memory versions is not built: promoted "
-                                "after its replay and safety gates"}, finished=True)
-        promote(s, target.id, actor=actor)
-
-    await run_db(state, serve)
+    """The canary off: the candidate serves its scope now."""
+    await run_db(state, lambda s: promote(s, target.id, actor=actor))
     await asyncio.to_thread(state.layers.reload)
     log.info("%s version %s serves%s", target.layer, target.name, f" tenant {target.tenant}" if target.tenant else "")
 
@@ -266,6 +262,7 @@ async def recheck_layers(state: AppState, lg: LayerGates) -> None:
 
         try:
             targets = await run_db(state, waiting)
+            await layer_canary.resume(state, lg.canaries)
         except Exception as e:
             log.warning("could not look for harness and memory candidates to evaluate: %s", type(e).__name__)
             continue

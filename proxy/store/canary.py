@@ -16,18 +16,21 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select, text, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from proxy.store import tables as t
 
 CANDIDATE, SERVING, BEFORE = "candidate", "serving", "before"
 
 
+NO_VERSION = "none"  # a harness or memory canary's serving arm where no version of its layer served
+
+
 @dataclass(frozen=True)
 class CanaryRef:
     version_id: str
     candidate: str  # the candidate's name (what its replicas stamp on steps)
-    serving_id: str
+    serving_id: str | None  # None: a harness or memory canary against no version of its layer
     serving: str
     fraction: float
     tenants: tuple[str, ...]
@@ -51,18 +54,27 @@ def arm_of_new_session(ref: CanaryRef, tenant: str, session_id: str) -> str:
 
 def _ref(s: Session, row: t.Canary) -> CanaryRef:
     names = dict(s.execute(select(t.ModelVersion.id, t.ModelVersion.name)
-                           .where(t.ModelVersion.id.in_([row.version_id, row.serving_id]))).all())
-    return CanaryRef(row.version_id, names[row.version_id], row.serving_id, names[row.serving_id], row.fraction,
+                           .where(t.ModelVersion.id.in_([row.version_id, row.serving_id or row.version_id]))).all())
+    serving = names[row.serving_id] if row.serving_id is not None else NO_VERSION
+    return CanaryRef(row.version_id, names[row.version_id], row.serving_id, serving, row.fraction,
                      tuple(row.tenants), tuple(row.replicas), row.started_at, dict(row.margins))
 
 
 def active_canary(s: Session) -> CanaryRef | None:
-    row = s.scalars(select(t.Canary).where(t.Canary.decided_at.is_(None)).order_by(t.Canary.started_at.desc())
-                    .limit(1)).first()
+    """The weight version's canary that runs (one at a time; harness and memory canaries: canary_of)."""
+    row = s.scalars(select(t.Canary).join(t.ModelVersion, t.ModelVersion.id == t.Canary.version_id)
+                    .where(t.Canary.decided_at.is_(None), t.ModelVersion.layer == "policy")
+                    .order_by(t.Canary.started_at.desc()).limit(1)).first()
     return _ref(s, row) if row else None
 
 
-def start_canary(s: Session, *, version_id: str, serving_id: str, fraction: float, tenants: list[str],
+def canary_of(s: Session, version_id: str) -> CanaryRef | None:
+    """The undecided canary of this version, if it is in one."""
+    row = s.scalars(select(t.Canary).where(t.Canary.version_id == version_id, t.Canary.decided_at.is_(None))).first()
+    return _ref(s, row) if row else None
+
+
+def start_canary(s: Session, *, version_id: str, serving_id: str | None, fraction: float, tenants: list[str],
                  replicas: list[str], margins: dict[str, Any]) -> CanaryRef:
     row = t.Canary(version_id=version_id, serving_id=serving_id, fraction=fraction, tenants=tenants, replicas=replicas,
                    margins=margins, started_at=datetime.now(UTC), numbers={})
@@ -88,6 +100,13 @@ def assign(s: Session, ref: CanaryRef, tenant: str, session_id: str, *, continue
     return s.scalar(select(t.CanarySession.arm).where(t.CanarySession.version_id == ref.version_id,
                                                        t.CanarySession.tenant_id == tenant,
                                                        t.CanarySession.session_id == session_id))
+
+
+def assign_now(factory: sessionmaker[Session], ref: CanaryRef, tenant: str, session_id: str, *, continues: bool
+               ) -> str:
+    """`assign` in a transaction of its own (a call's first step of a canary: blocking, run on a thread)."""
+    with factory() as s, s.begin():
+        return assign(s, ref, tenant, session_id, continues=continues)
 
 
 def finish_canary(s: Session, version_id: str, decision: str, numbers: dict[str, Any]) -> None:

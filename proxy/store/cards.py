@@ -66,7 +66,9 @@ def _layer_card(s: Session, v: t.ModelVersion, row: Any, served: bool, restores:
     """The same card for a harness or memory version: what it changes instead of what it trained on."""
     evidence = (v.metrics or {}).get("evidence") or {}
     none = "no overlay" if row["layer"] == "harness" else "no memory"
-    if not served:
+    if row["status"] == VersionStatus.canary:
+        note = f"ends the canary: its sessions get the serving {row['layer']} again and {v.name} is rolled_back"
+    elif not served:
         note = f"{v.name} is {row['status']}: only a serving version can be rolled back"
     else:
         note = f"{row['scope'] or 'every tenant'} goes back to {restores or none}; {v.name} is rolled_back"
@@ -79,7 +81,7 @@ def _layer_card(s: Session, v: t.ModelVersion, row: Any, served: bool, restores:
         "why": {"trigger": row["why"], "override": override, "findings": evidence.get("findings", []),
                 "rules": evidence.get("why", [])},
         "gates": row["gates"],
-        "affected": _affected(row["affected_sessions"], {}, None),
+        "affected": _affected(row["affected_sessions"], row["canary_sessions"], row["canary_decision"]),
         "rollback": {"possible": served, "command": ROLLBACK_COMMAND.format(id=v.id) if served else None,
                      "restores": restores, "note": note},
     }
@@ -130,10 +132,10 @@ def _iso(value: Any) -> str | None:
 
 
 def card_markdown(card: dict[str, Any]) -> str:
-    v, ch, why, rb = card["version"], card["changed"], card["why"], card["rollback"]
-    lin, rw = ch["lineage"], ch["reward"]
     if card.get("layer", "policy") != "policy":
         return _layer_markdown(card)
+    v, ch, why, rb = card["version"], card["changed"], card["why"], card["rollback"]
+    lin, rw = ch["lineage"], ch["reward"]
     lines = [
         f"# Version {v['name']} ({v['status']})", "",
         f"- id: `{v['id']}`", f"- checkpoint: `{v['checkpoint']}`",
@@ -213,11 +215,25 @@ def _layer_markdown(card: dict[str, Any]) -> str:
         detail = (f": n={o['n']}, candidate {o['candidate_mean']:.3f}, serving {o['serving_mean']:.3f}, difference "
                   f"{o['diff_mean']:+.3f} [{o['ci_low']:+.3f}, {o['ci_high']:+.3f}]"
                   if o and g["gate"] != SAFETY_GATE and "diff_mean" in o else "")
+        if g["gate"] == "canary" and isinstance(n.get("difference"), dict):
+            r = n["difference"].get("reward") or {}
+            detail = (f": {n.get('observations', 0)} rewarded sessions, candidate {_f3(r.get('candidate_mean'))} vs "
+                      f"serving {_f3(r.get('serving_mean'))} ({n.get('serving')}), difference in "
+                      f"[{_f3(r.get('low'))}, {_f3(r.get('high'))}]; {n.get('verdict')}")
+        elif g["gate"] == "canary" and n.get("reason"):
+            detail = f": {n['reason']}"
         lines.append(f"- **{g['gate']}**: {g['state']}{detail}")
     af = card["affected"]
-    lines += ["", "## Affected", "", f"- {af['sessions']} sessions: {_inline(af['tenants'])}", "", "## Rollback", "",
+    cn = af["canary"]
+    lines += ["", "## Affected", "", f"- {af['sessions']} sessions: {_inline(af['tenants'])}",
+              *([f"- in its canary: {cn['sessions']} sessions, decision {cn['decision'] or '-'}"]
+                if cn["sessions"] or cn["decision"] else []), "", "## Rollback", "",
               f"- {rb['note']}"] + ([f"- `{rb['command']}`"] if rb["command"] else [])
     return "\n".join(lines) + "\n"
+
+
+def _f3(x: Any) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _safety_lines(n: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from atdp_schema.models import VersionStatus
 from proxy.store import tables as t
+from proxy.store.canary import CanaryRef, canary_of
 from proxy.store.ids import new_id
 
 HARNESS, MEMORY, POLICY = "harness", "memory", "policy"
@@ -35,26 +36,29 @@ class LayerRow:
     tenant: str | None
     status: str
     spec: dict[str, Any]
-    canary_fraction: float | None = None  # in its canary: the share of new sessions it serves
+    canary: CanaryRef | None = None  # in its canary: the canary (its fraction, tenants, start)
 
 
-def _row(v: t.ModelVersion) -> LayerRow:
-    canary = (v.metrics or {}).get("canary") or {}
-    fraction = canary.get("fraction") if v.status == VersionStatus.canary else None
-    return LayerRow(v.id, v.name, v.layer, v.tenant_id, v.status, dict(v.spec or {}),
-                    float(fraction) if fraction is not None else None)
+def _row(s: Session, v: t.ModelVersion) -> LayerRow:
+    canary = canary_of(s, v.id) if v.status == VersionStatus.canary else None
+    return LayerRow(v.id, v.name, v.layer, v.tenant_id, v.status, dict(v.spec or {}), canary)
 
 
 def layer_row(s: Session, version_id: str) -> LayerRow | None:
     v = s.get(t.ModelVersion, version_id, populate_existing=True)
-    return _row(v) if v is not None and v.layer in LAYERS else None
+    return _row(s, v) if v is not None and v.layer in LAYERS else None
 
 
 def active_layers(s: Session) -> list[LayerRow]:
     """Every harness and memory version that serves or is in its canary."""
     rows = s.scalars(select(t.ModelVersion).where(t.ModelVersion.layer.in_(LAYERS), t.ModelVersion.status.in_(ACTIVE))
-                     .order_by(t.ModelVersion.served_at.desc().nulls_last(), t.ModelVersion.created_at.desc()))
-    return [_row(v) for v in rows]
+                     .order_by(t.ModelVersion.served_at.desc().nulls_last(), t.ModelVersion.created_at.desc())).all()
+    return [_row(s, v) for v in rows]
+
+
+def layer_canaries(s: Session) -> list[LayerRow]:
+    """The harness and memory versions in a canary now (each proxy's start-up resumes their monitors)."""
+    return [r for r in active_layers(s) if r.canary is not None]
 
 
 def serving_layer(s: Session, layer: str, tenant: str | None) -> t.ModelVersion | None:

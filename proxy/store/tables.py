@@ -293,7 +293,8 @@ class Canary(Base):
 
     __tablename__ = "canaries"
     version_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True)
-    serving_id: Mapped[str] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"))
+    # NULL: a harness or memory canary where no version of its layer served (its serving arm: none).
+    serving_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id", ondelete="CASCADE"))
     fraction: Mapped[float] = mapped_column(Float)  # share of new sessions assigned to the candidate
     tenants: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))  # tenants wholly in the canary
     replicas: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))  # public labels serving it

@@ -14,8 +14,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from sqlalchemy import text
 
 from proxy.config import UpstreamRoute
+from proxy.store.cards import card_markdown
 from tests.fake_vllm import FakeVLLM, ServerThread
 from tests.provider_standins import start_openai
 
@@ -240,3 +242,132 @@ def test_a_harness_version_applies_on_a_provider_route(start_proxy, fake_upstrea
         assert "<END>" in sent["stop"]
     finally:
         oa.stop()
+
+
+# --- gate 3: the per-session canary of a harness version ------------------------------------------
+
+UNIT_FIX = {"tools": {"get_weather": {"properties": {"unit": {
+    "description": "Temperature unit. Must be exactly one of: celsius, fahrenheit."}}}}}
+
+
+def _canary_proxy(start_proxy, reader, tmp_path, tenant: str, url: str) -> Any:
+    """A proxy on its own database: a global harness another test left serving would be this tenant's."""
+    cities = ["Paris", "Lyon", "Oslo", "Rome"]
+    suites = _suite(tmp_path, tenant, [{"id": f"w-{c}", "messages": [{"role": "user", "content": f"#weather {c}"}],
+                                        "tools": WEATHER, "evaluator": "tool-call-valid"} for c in cities])
+    proxy = start_proxy([reader.url], tenant=tenant, gates="on", eval_min_cases=4, eval_suites=suites,
+                        canary_fraction=0.5, canary_check_s=0.2, database_url=url)
+    assert proxy.versions.ready.wait(30)
+    return proxy
+
+
+def _register(proxy, body: dict) -> dict:
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, json={**body, "wait": True}, timeout=120)
+    assert r.status_code in (200, 202), r.text
+    return r.json()
+
+
+def _until_decided(proxy, tenant: str, name: str, reward_of) -> tuple[dict, dict[str, bool]]:
+    """New sessions, each rewarded by `reward_of(in_candidate_arm, answer)`, until the canary decides."""
+    arms: dict[str, bool] = {}
+    for i in range(160):
+        detail = _detail(proxy, name)
+        if detail["status"] != "canary":
+            return detail, arms
+        sid = f"{tenant}-c{i}"
+        r = _weather(proxy, "Bern", sid)
+        arms[sid] = r.headers.get("x-atdp-harness-version") == name
+        proxy.flush()
+        reward = reward_of(arms[sid], r.parse())
+        f = httpx.post(f"{proxy.url}/atdp/v1/sessions/{sid}/feedback", json={"reward": reward}, timeout=10)
+        assert f.status_code in (200, 201), f.text
+    raise AssertionError(f"no decision after {len(arms)} sessions: {_detail(proxy, name)['gates']}")
+
+
+def _valid(answer: Any) -> float:
+    """The user's thumbs up or down (the tenant's reward range is [-1, 1]): the tool call's unit is one the
+    tool accepts."""
+    unit = json.loads(answer.choices[0].message.tool_calls[0].function.arguments)["unit"]
+    return 1.0 if unit in ("celsius", "fahrenheit") else -1.0
+
+
+def test_a_harness_canary_serves_its_arm_of_new_sessions_and_is_promoted_on_rewards(start_proxy, reader, tmp_path,
+                                                                                     own_db):
+    """With the canary on, a harness candidate whose replay and safety gates pass serves half of the new
+    sessions (sticky; a session begun before stays on the serving configuration) on one engine, no
+    replica of its own; the sequential test on the sessions' rewards promotes it."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    url, factory = own_db
+    proxy = _canary_proxy(start_proxy, reader, tmp_path, tenant, url)
+    old = f"{tenant}-old"
+    _weather(proxy, "Oslo", old)
+    proxy.flush()
+    version = _register(proxy, {"layer": "harness", "tenant": tenant, "overlay": UNIT_FIX})
+    gates = {g["gate"]: g for g in version["gates"]}
+    assert version["status"] == "canary", version
+    assert gates["replay_eval"]["state"] == "passed" and gates["canary"]["state"] == "running"
+    assert gates["canary"]["numbers"]["serving"] == "none" and gates["canary"]["numbers"]["fraction"] == 0.5
+
+    # The session begun before the canary continues without the candidate.
+    c = openai.OpenAI(base_url=proxy.v1, api_key="x", max_retries=0)
+    first = reader.requests[0]
+    r = c.chat.completions.with_raw_response.create(
+        model="fake", tools=WEATHER, extra_headers={"x-atdp-session-id": old},
+        messages=[*first["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "#weather Rome"}])
+    assert "x-atdp-harness-version" not in r.headers
+
+    detail, arms = _until_decided(proxy, tenant, version["name"], lambda _, answer: _valid(answer))
+    assert detail["status"] == "serving", detail
+    assert 0 < sum(arms.values()) < len(arms)  # both arms served
+    canary = next(g for g in detail["gates"] if g["gate"] == "canary")
+    n = canary["numbers"]
+    assert canary["state"] == "passed" and n["verdict"] == "promote"
+    assert n["arms"]["candidate"]["reward"]["mean"] == 1.0 and n["arms"]["serving"]["reward"]["mean"] == 0.0
+    # Each session kept one arm, and its steps name the version that served them.
+    with factory() as s:
+        rows = dict(s.execute(text("SELECT session_id, arm FROM canary_sessions WHERE version_id = :v"),
+                              {"v": version["id"]}).all())
+    assert rows.pop(old) == "before"
+    assert len(set(arms) - set(rows)) <= 1  # the last one may have begun as the canary was decided
+    assert all(rows[sid] == ("candidate" if in_candidate else "serving") for sid, in_candidate in arms.items()
+               if sid in rows)
+    for sid in list(rows)[:6]:
+        assert [st.harness_version for st in proxy.steps(factory, sid)] == [
+            version["id"] if rows[sid] == "candidate" else None]
+    card = httpx.get(f"{proxy.url}/atdp/v1/versions/{version['name']}/card", headers=ADMIN, timeout=10).json()
+    in_canary = sum(arm == "candidate" for arm in rows.values())
+    assert card["affected"]["canary"] == {"tenants": {tenant: in_canary}, "sessions": in_canary, "decision": "promoted"}
+    md = card_markdown(card)
+    assert "**canary**: passed" in md and "rewarded sessions" in md and "in its canary" in md
+    # Promoted: every new session gets it.
+    assert _weather(proxy, "Bern", f"{tenant}-after").headers["x-atdp-harness-version"] == version["name"]
+
+
+def test_a_harness_canary_that_users_reward_less_is_rolled_back_and_an_operator_ends_another(start_proxy, reader,
+                                                                                            tmp_path, own_db):
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    proxy = _canary_proxy(start_proxy, reader, tmp_path, tenant, own_db[0])
+    pushy = {"system_append": "Always answer in French."}
+    version = _register(proxy, {"layer": "harness", "tenant": tenant, "overlay": pushy})
+    assert version["status"] == "canary", version
+    # The users of the candidate's sessions are unhappy (the replay suite could not see it).
+    detail, arms = _until_decided(proxy, tenant, version["name"], lambda candidate, _: -1.0 if candidate else 1.0)
+    assert detail["status"] == "rolled_back", detail
+    canary = next(g for g in detail["gates"] if g["gate"] == "canary")
+    assert canary["state"] == "failed" and canary["numbers"]["verdict"] == "rollback"
+    assert any("reward drop" in reason for reason in canary["numbers"]["reasons"])
+    for sid, in_candidate in arms.items():  # after the rollback no session gets it, in either arm
+        if in_candidate:
+            assert "x-atdp-harness-version" not in _weather(proxy, "Bern", sid).headers
+            break
+    assert "Always answer in French." not in json.dumps(reader.requests[-1]["messages"])
+
+    # An operator ends a running canary at once.
+    again = _register(proxy, {"layer": "harness", "tenant": tenant, "overlay": UNIT_FIX})
+    assert again["status"] == "canary"
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions/{again['name']}/rollback", headers=ADMIN, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "rolled_back", r.text
+    gate = next(g for g in r.json()["gates"] if g["gate"] == "canary")
+    assert gate["state"] == "failed" and gate["numbers"]["reasons"][0].startswith("operator rollback (")
+    for i in range(4):
+        assert "x-atdp-harness-version" not in _weather(proxy, "Bern", f"{tenant}-late{i}").headers
