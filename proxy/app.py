@@ -156,6 +156,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
                 task.cancel()
             if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.rollout.canary)
                 swaps.canary_task.cancel()
+            for task in [*layer_gates.tasks.values(), *layer_gates.canaries.tasks.values()]:  # likewise
+                task.cancel()
             if state.presence is not None:
                 await state.presence.close()
             if state.links is not None:
