@@ -1,8 +1,9 @@
 """Memory, the pure parts: what a call asks about, and the facts put into its context.
 
 Retrieval is PostgreSQL full-text search (proxy.store.layers): the facts' `to_tsvector('english', text)`
-is stored and GIN-indexed, the call's question becomes an OR of its words (`to_tsquery`), and the
-facts rank by `ts_rank_cd`. Chosen over an embedding model because it needs nothing beyond the database
+is stored and GIN-indexed, the call's question becomes an OR of its discriminating words (stemmed; those
+in at most half of the memory's facts: words every fact shares would bring in facts about other
+things), and the facts rank by `ts_rank_cd`. Chosen over an embedding model because it needs nothing beyond the database
 every install already has, is exact about the names, ids and numbers that facts in agent traffic are made
 of (an embedding of "port 8443" is close to "port 8080"), and runs in about a millisecond at the sizes
 a tenant's memory has; its limit is synonyms ("car" does not find "vehicle").
@@ -40,17 +41,13 @@ def question_text(body: dict[str, Any]) -> str | None:
 
 def query_terms(text: str) -> list[str]:
     """The words of a question, lower-cased, once each, in order: letters and digits only, so the
-    `to_tsquery` built from them can never be a syntax error."""
+    search's text-search query built from them can never be a syntax error."""
     seen: dict[str, None] = {}
     for w in _WORD.findall(text.lower()):
         seen.setdefault(w, None)
         if len(seen) >= MAX_TERMS:
             break
     return list(seen)
-
-
-def tsquery(terms: list[str]) -> str:
-    return " | ".join(terms)
 
 
 def with_facts(body: dict[str, Any], facts: list[str]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from atdp_schema.models import VersionStatus
-from proxy.layers.memory import query_terms, question_text, tsquery, with_facts
+from proxy.layers.memory import query_terms, question_text, with_facts
 from proxy.layers.overlay import HarnessOverlay, OverlayError, apply_harness, parse_overlay
 from proxy.store.canary import BEFORE, CANDIDATE, CanaryRef, assign_now
 from proxy.store.layers import HARNESS, MEMORY, LayerRow, active_layers, search
@@ -183,7 +183,7 @@ class Layers:
             body, applied.harness = apply_harness(body, harness.overlay), harness
         question = question_text(body) if memory is not None and memory.facts else None
         if memory is not None and question is not None:
-            query = tsquery(query_terms(question))
+            query = query_terms(question)
             try:
                 found = await asyncio.to_thread(self._search, tenant, list(memory.facts), query)
             except Exception as e:
@@ -193,7 +193,7 @@ class Layers:
                 body = with_facts(body, [text for _, text in found])
         return body, applied
 
-    def _search(self, tenant: str, ids: list[str], query: str) -> list[tuple[str, str]]:
+    def _search(self, tenant: str, ids: list[str], query: list[str]) -> list[tuple[str, str]]:
         assert self.factory is not None
         with self.factory() as s:
             return search(s, tenant, ids, query, self.top_k)

@@ -153,19 +153,34 @@ def facts_of(s: Session, tenant: str, ids: list[str]) -> list[t.MemoryFact]:
     return [rows[i] for i in ids if i in rows]
 
 
+# The question's words that discriminate: each must be in at least one and at most half of the memory's
+# facts (a document-frequency cut, like a max_df of 0.5; one fact alone keeps every word it matches).
+# Words every fact shares ("service", "port") would otherwise bring facts about other things into a
+# question none of them answers, and a small model copies what it is shown.
 SEARCH = text("""
+WITH f AS MATERIALIZED (
+    SELECT id, text, tsv, created_at FROM memory_facts
+     WHERE tenant_id = :tenant AND id = ANY(CAST(:ids AS varchar[]))),
+total AS (SELECT count(*) AS n FROM f),
+lexemes AS (  -- the words as the facts' vectors hold them (stemmed, stop words gone: no notices)
+    SELECT DISTINCT x FROM unnest(CAST(:terms AS text[])) w, unnest(tsvector_to_array(to_tsvector('english', w))) x),
+kept AS (
+    SELECT x FROM lexemes, total
+     WHERE (SELECT count(*) FROM f WHERE f.tsv @@ to_tsquery('simple', x)) BETWEEN 1 AND greatest(1, total.n * 0.5)),
+q AS (SELECT to_tsquery('simple', string_agg(x, ' | ')) AS q FROM kept)
 SELECT f.id, f.text
-  FROM memory_facts f, to_tsquery('english', :q) q
- WHERE f.tenant_id = :tenant AND f.id = ANY(CAST(:ids AS varchar[])) AND f.tsv @@ q
- ORDER BY ts_rank_cd(f.tsv, q) DESC, f.created_at, f.id
+  FROM f, q
+ WHERE q.q IS NOT NULL AND f.tsv @@ q.q
+ ORDER BY ts_rank_cd(f.tsv, q.q) DESC, f.created_at, f.id
  LIMIT :k""")
 
 
-def search(s: Session, tenant: str, ids: list[str], query: str, k: int) -> list[tuple[str, str]]:
-    """The `k` facts among `ids` that best match the tsquery `query` (proxy.layers.memory builds it)."""
-    if not ids or not query:
+def search(s: Session, tenant: str, ids: list[str], terms: list[str], k: int) -> list[tuple[str, str]]:
+    """The `k` facts among `ids` that best match the discriminating ones of `terms` (the question's
+    words, proxy.layers.memory.query_terms: letters and digits only, so no term is a tsquery error)."""
+    if not ids or not terms:
         return []
-    return [(r.id, r.text) for r in s.execute(SEARCH, {"q": query, "tenant": tenant, "ids": ids, "k": k})]
+    return [(r.id, r.text) for r in s.execute(SEARCH, {"terms": terms, "tenant": tenant, "ids": ids, "k": k})]
 
 
 def forget_facts(s: Session, tenant: str, session_ids: list[str] | None) -> int:
