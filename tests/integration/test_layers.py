@@ -371,3 +371,28 @@ def test_a_harness_canary_that_users_reward_less_is_rolled_back_and_an_operator_
     assert gate["state"] == "failed" and gate["numbers"]["reasons"][0].startswith("operator rollback (")
     for i in range(4):
         assert "x-atdp-harness-version" not in _weather(proxy, "Bern", f"{tenant}-late{i}").headers
+
+
+def test_memory_search_uses_only_the_words_that_tell_facts_apart(factory):
+    """Words every fact shares ("service", "port") find nothing by themselves: a question about a
+    service no fact names gets no facts (a small model shown other services' ports copies them:
+    bench/memory_learning.py), and one that names a service gets that service's fact first."""
+    from proxy.layers.memory import query_terms
+    from proxy.store import db
+    from proxy.store.layers import add_facts, search
+
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    texts = [f"The {name} service listens on port {port}." for name, port in
+             (("brudax", 1666), ("hunefel", 8791), ("lakcas", 4127), ("narzi", 5310))]
+    with db.transaction(factory) as s:
+        ids = add_facts(s, tenant, [(x, {"operator": "test"}) for x in texts], actor="test")
+    with factory() as s:
+        def ask(question: str) -> list[str]:
+            return [body for _, body in search(s, tenant, ids, query_terms(question), 3)]
+
+        assert ask("I need to connect to pimquen. What port is the pimquen service on?") == []
+        assert ask("Which port does the hunefel service use?") == [texts[1]]
+        assert sorted(ask("hunefel or narzi: which ports?")) == sorted([texts[1], texts[3]])
+        assert ask("what listens on 4127") == [texts[2]]  # a number is a word like any other
+        assert ask("the of and") == []  # stop words only
+        assert search(s, tenant, ids[:1], query_terms("which port does brudax use"), 3) == [(ids[0], texts[0])]
