@@ -35,7 +35,7 @@ from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.canary import CanaryRef, canary_of, finish_canary, mark_rolled_back, start_canary
 from proxy.store.layers import layer_canaries, promote, serving_layer
-from proxy.store.versions import set_gate, set_status
+from proxy.store.versions import REPLAY_GATE, set_gate, set_status
 
 log = logging.getLogger("atdp.layers.canary")
 WHERE = "per session, sticky, on what serves the calls (no replica of its own)"
@@ -95,8 +95,14 @@ async def wait_for_scope(state: AppState, layer: str, tenant: str | None, versio
             t.ModelVersion.layer == layer, scope, t.ModelVersion.id != version_id,
             t.ModelVersion.status == VersionStatus.canary).limit(1))
 
+    told = None
     while (other := await run_db(state, running)) is not None:
-        log.info("a %s candidate waits for the canary of %s", layer, other)
+        if other != told:  # the card says what it waits for
+            reason = f"waits for the canary of {other} (one canary per layer and scope)"
+            await run_db(state, lambda s, r=reason: set_gate(s, version_id, REPLAY_GATE, GateState.pending,
+                                                             {"reason": r}))
+            log.info("%s candidate %s", layer, reason)
+            told = other
         await asyncio.sleep(state.settings.canary_check_s)
 
 

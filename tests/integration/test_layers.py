@@ -8,6 +8,7 @@ stand-in reached through LiteLLM.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
@@ -362,15 +363,27 @@ def test_a_harness_canary_that_users_reward_less_is_rolled_back_and_an_operator_
             break
     assert "Always answer in French." not in json.dumps(reader.requests[-1]["messages"])
 
-    # An operator ends a running canary at once.
+    # An operator ends a running canary at once; a candidate of the same scope waited for it.
     again = _register(proxy, {"layer": "harness", "tenant": tenant, "overlay": UNIT_FIX})
     assert again["status"] == "canary"
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, timeout=30,
+                   json={"layer": "harness", "tenant": tenant, "overlay": {**UNIT_FIX, "system_append": "Be brief."}})
+    assert r.status_code == 202, r.text
+    waiting = r.json()["name"]
+    deadline = time.monotonic() + 30
+    while (replay := next(g for g in _detail(proxy, waiting)["gates"] if g["gate"] == "replay_eval"))["numbers"] == {}:
+        assert time.monotonic() < deadline, replay
+        time.sleep(0.2)
+    assert replay["state"] == "pending" and again["name"] in replay["numbers"]["reason"]
     r = httpx.post(f"{proxy.url}/atdp/v1/versions/{again['name']}/rollback", headers=ADMIN, timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "rolled_back", r.text
     gate = next(g for g in r.json()["gates"] if g["gate"] == "canary")
     assert gate["state"] == "failed" and gate["numbers"]["reasons"][0].startswith("operator rollback (")
     for i in range(4):
-        assert "x-atdp-harness-version" not in _weather(proxy, "Bern", f"{tenant}-late{i}").headers
+        assert _weather(proxy, "Bern", f"{tenant}-late{i}").headers.get("x-atdp-harness-version") != again["name"]
+    while _detail(proxy, waiting)["status"] != "canary":  # its gates ran once the canary was decided
+        assert time.monotonic() < deadline + 60, _detail(proxy, waiting)
+        time.sleep(0.2)
 
 
 def test_memory_search_uses_only_the_words_that_tell_facts_apart(factory):
