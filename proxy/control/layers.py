@@ -123,11 +123,19 @@ async def create(state: AppState, lg: LayerGates, principal: Principal, body: di
 async def rollback_layer(state: AppState, principal: Principal, version: t.ModelVersion) -> Response:
     if version.status not in (VersionStatus.serving, VersionStatus.canary):
         raise ApiError(409, f"version '{version.name}' is {version.status}; only a serving version can be rolled back")
-    if version.status == VersionStatus.canary:  # ends the canary: its arm gets the serving version again
-        restored = None
-        await layer_canary.rollback_now(state, version.id, actor=principal.actor)
-    else:
-        restored = await run_db(state, lambda s: rollback(s, version.id, actor=principal.actor))
+    restored = None
+    # A canary ends (its arm gets the serving version again); one its monitor decided meanwhile, or a
+    # serving version, is rolled back as a serving version.
+    if version.status != VersionStatus.canary or await layer_canary.rollback_now(
+            state, version.id, actor=principal.actor) is None:
+        def serving_rollback(s: Session) -> str | None:
+            v = s.get(t.ModelVersion, version.id, populate_existing=True)
+            if v is None or v.status != VersionStatus.serving:
+                raise ApiError(409, f"version '{version.name}' is {v.status if v else 'gone'}; only a serving "
+                                    "version can be rolled back")
+            return rollback(s, version.id, actor=principal.actor)
+
+        restored = await run_db(state, serving_rollback)
         await asyncio.to_thread(state.layers.reload)
     detail = await run_db(state, lambda s: version_detail(s, version.id))
     detail["restored"] = restored

@@ -78,6 +78,7 @@ class Layers:
     top_k: int = 3
     scopes: dict[tuple[str, str | None], _Scope] = field(default_factory=dict)
     loaded_at: float = 0.0
+    canaries: frozenset[str] = frozenset()  # ids of the versions in a canary, as last read
     arms: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (canary, tenant, session) -> arm
     max_arms: int = 100_000
     # One reload at a time, reading and setting together: a periodic read begun before a promotion
@@ -108,11 +109,11 @@ class Layers:
                 scope.canary = scope.canary or v
             else:
                 scope.serving = scope.serving or v
-        canaries = {scope.canary.id for scope in scopes.values() if scope.canary is not None}
-        held = list(self.arms.items())  # one step under the GIL: the event loop adds arms meanwhile
-        if any(key[0] not in canaries for key, _ in held):  # a canary ended: its arms are done with
+        canaries = frozenset(scope.canary.id for scope in scopes.values() if scope.canary is not None)
+        if canaries != self.canaries:  # a canary ended: its arms are done with
+            held = list(self.arms.items())  # one step under the GIL: the event loop adds arms meanwhile
             self.arms = {key: arm for key, arm in held if key[0] in canaries}
-        self.scopes, self.loaded_at = scopes, time.monotonic()
+        self.scopes, self.canaries, self.loaded_at = scopes, canaries, time.monotonic()
 
     async def run(self, stopping: threading.Event) -> None:
         """Re-read every `refresh_s` (versions another proxy promoted); the database may be away."""

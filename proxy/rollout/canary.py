@@ -63,13 +63,18 @@ def tenants_of(state: AppState) -> list[str]:
     return [x.strip() for x in state.settings.canary_tenants.split(",") if x.strip()]
 
 
+def canary_on(state: AppState) -> bool:
+    """A share of new sessions, or named tenants, go to a candidate before it serves everyone."""
+    return state.settings.canary_fraction > 0 or bool(tenants_of(state))
+
+
 async def begin(state: AppState, versions: Versions, target: VersionRef, *, actor: str) -> SwapOutcome | None:
     """Start the candidate's canary (called with `versions.lock` held, its other gates passed). Returns the
     group's swap outcome, or None when no canary runs (the caller promotes to every replica)."""
     settings, pool = state.settings, state.pool
-    tenants = tenants_of(state)
-    if settings.canary_fraction <= 0 and not tenants:
+    if not canary_on(state):
         return None
+    tenants = tenants_of(state)
     margins = margins_of(state)
     plan = {"fraction": settings.canary_fraction, "tenants": tenants, "margins": asdict(margins)}
     k = settings.canary_replicas

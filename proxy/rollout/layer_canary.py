@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from atdp_schema.models import GateState, VersionStatus
 from proxy.http import run_db
-from proxy.rollout.canary import CANARY_GATE, evaluate, margins_of, tenants_of
+from proxy.rollout.canary import CANARY_GATE, canary_on, evaluate, margins_of, tenants_of
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.canary import CanaryRef, canary_of, finish_canary, mark_rolled_back, start_canary
@@ -53,10 +53,6 @@ class LayerCanaries:
         task = asyncio.get_running_loop().create_task(monitor(state, ref), name=f"layer-canary:{ref.candidate}")
         self.tasks[ref.version_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(ref.version_id, None))
-
-
-def canary_on(state: AppState) -> bool:
-    return state.settings.canary_fraction > 0 or bool(tenants_of(state))
 
 
 async def begin(state: AppState, canaries: LayerCanaries, version_id: str, *, actor: str) -> bool:
