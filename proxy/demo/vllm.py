@@ -156,6 +156,10 @@ class VLLMServer:
             # generation_config that the proxy cannot see in the request.
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",
+            # No partial prefills: after one, vLLM rewinds a seeded request's generator, which torch's
+            # CPU generator cannot do ("CPU Generator does not use offset"), and the engine dies. A
+            # prompt that does not fit a step's token budget now waits for the next step instead.
+            "--no-enable-chunked-prefill",
             # render / generate-from-ids / derender routes: the token-in-token-out path (proxy/tito.py)
             "--enable-scale-out",
             # the one-request weight update (proxy/rollout/vllm_ext/atdp_update.py; on PYTHONPATH below)

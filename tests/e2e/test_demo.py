@@ -191,9 +191,11 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     summary = json.loads((home / "demo" / "summary.json").read_text())
     versions = [v["version"] for v in summary["versions"]]
     assert versions == ["base", "v1", "v2"], out
-    assert all(v["sessions"] == 8 for v in summary["versions"])
+    # 8 per round; a round whose rewarded sessions all fell in the held-out share works its tasks again.
+    sessions = [v["sessions"] for v in summary["versions"]]
+    assert all(n >= 8 and n % 8 == 0 for n in sessions) and sessions[-1] == 8, out
     # The store agrees: every session's reward, grouped by the version stamped on its tokens.
-    assert [(s["version"], s["sessions"]) for s in summary["stored"]] == [("base", 8), ("v1", 8), ("v2", 8)]
+    assert [(s["version"], s["sessions"]) for s in summary["stored"]] == list(zip(versions, sessions, strict=True))
     for live, stored in zip(summary["versions"], summary["stored"], strict=True):
         assert live["mean_reward"] == pytest.approx(stored["mean_reward"])
     assert [s["status"] for s in summary["swaps"]] == ["serving", "serving"]
@@ -209,7 +211,7 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
         ("changed", "why", "gates", "affected", "rollback"), True)}, out
     card = json.loads((home / "demo" / "card.json").read_text())
     assert card["version"]["name"] == "v2" and card["changed"]["parent"] == "v1"
-    assert card["rollback"]["restores"] == "v1" and card["affected"]["sessions"] == 8
+    assert card["rollback"]["restores"] == "v1" and card["affected"]["sessions"] == sessions[-1]
     assert (home / "demo" / "card.md").read_text().startswith("# Version v2 (serving)")
     assert "replay [passed]" in out and "# Version v2 (serving)" in out
     png = home / "demo" / "reward_per_version.png"
@@ -241,7 +243,7 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
                         "SELECT count(*) FROM feedback"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
     assert q.returncode == 0, q.stderr
-    assert "24" in q.stdout
+    assert str(sum(sessions)) in q.stdout.split()
     # The gate rows in the store: each candidate's replay and safety gates finished as passed, the
     # canary skipped.
     q = subprocess.run([sys.executable, "-m", "proxy.cli", "demo", "--home", str(home), "--psql",

