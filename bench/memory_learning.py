@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import re
 import shutil
 import sys
 import tempfile
@@ -32,43 +30,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from proxy.demo.home import Processes, child_env, start_database, stop_database, wait_until  # noqa: E402
+from proxy.demo.layers import (  # noqa: E402
+    compare,
+    held_out,
+    propose_memory,
+    rows_as_dicts,
+    services,
+    teach,
+    write_memory_suite,
+)
 from proxy.demo.model_zoo import cached_smollm2  # noqa: E402
-from proxy.demo.skill import wilson  # noqa: E402
 from proxy.demo.vllm import VLLMServer, find_vllm_python, free_port  # noqa: E402
-from proxy.evaluation.stats import bootstrap_interval  # noqa: E402
 
-SYLLABLES = ["vor", "lak", "quen", "zi", "tam", "bru", "fel", "dax", "mori", "pell", "sku", "nar", "obi", "trel",
-             "wix", "gald", "hune", "ryo", "cas", "pim"]
-TEACH = "Which port does the {name} service use?"
-GATE = "Tell me the port number of the {name} service."
-HELD_OUT = "I need to connect to {name}. What port is the {name} service on?"
-FACT = "The {name} service listens on port {port}."
 TENANT, CONTROL = "mem", "control"
 MODEL = "smollm2"
 
 
-def services(n: int, seed: int) -> list[tuple[str, int]]:
-    rng = random.Random(seed)
-    names: set[str] = set()
-    while len(names) < n:
-        names.add("".join(rng.sample(SYLLABLES, 2)))
-    ports = rng.sample(range(1024, 9999), n)
-    return list(zip(sorted(names), ports, strict=True))
-
-
-def ask(client, question: str, session: str, max_tokens: int) -> tuple[str, str | None]:
-    r = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": question}], temperature=0.0, max_tokens=max_tokens,
-        extra_headers={"x-atdp-session-id": session})
-    return r.parse().choices[0].message.content or "", r.headers.get("x-atdp-memory-version")
-
-
-def has_port(answer: str, port: int) -> bool:
-    return re.search(rf"(?<!\d){port}(?!\d)", answer) is not None
-
-
 def run(args: argparse.Namespace) -> dict:
-    import httpx
     import openai
 
     from proxy.auth import create_key
@@ -88,10 +66,7 @@ def run(args: argparse.Namespace) -> dict:
             keys = {t: create_key(s, t, name="bench")[1] for t in (TENANT, CONTROL)}
         engine.dispose()
         suites = home / "suites"
-        suites.mkdir()
-        (suites / "ports.jsonl").write_text("".join(json.dumps({
-            "tenant": TENANT, "id": f"port-{name}", "messages": [{"role": "user", "content": GATE.format(name=name)}],
-            "evaluator": "regex", "expected": rf"(?<!\d){port}(?!\d)"}) + "\n" for name, port in taught))
+        write_memory_suite(suites, TENANT, taught)
         vllm = VLLMServer(python=vllm_python, model_dir=model_dir, served_name=MODEL, max_model_len=1024,
                           log_path=home / "vllm.log")
         vllm.start()
@@ -110,35 +85,13 @@ def run(args: argparse.Namespace) -> dict:
         clients = {t: openai.OpenAI(base_url=proxy + "/v1", api_key=k, max_retries=0, timeout=300) for t, k in keys.items()}
 
         # Teaching: the model is asked, and the user corrects it.
-        for i, (name, p) in enumerate(taught):
-            sid = f"teach-{i}"
-            ask(clients[TENANT], TEACH.format(name=name), sid, args.max_tokens)
-            r = httpx.post(f"{proxy}/atdp/v1/sessions/{sid}/feedback", timeout=60,
-                           headers={"authorization": f"Bearer {keys[TENANT]}"},
-                           json={"reward": 0.0, "correction": FACT.format(name=name, port=p)})
-            r.raise_for_status()
+        teach(clients[TENANT], proxy, keys[TENANT], MODEL, taught, args.max_tokens)
         time.sleep(2.0)  # the writer's batch reaches the database
         t = time.monotonic()
-        r = httpx.post(f"{proxy}/atdp/v1/evolve/proposals", headers={"authorization": f"Bearer {admin}"},
-                       json={"tenant": TENANT, "wait": True}, timeout=1800)
-        r.raise_for_status()
-        memory = [p for p in r.json()["proposals"] if p["layer"] == "memory"]
-        if not memory:
-            raise SystemExit(f"no memory proposal: {r.json()}")
-        version = memory[0]["version"]
+        version = propose_memory(proxy, admin, TENANT)
         gate = {g["gate"]: g for g in version["gates"]}.get("replay_eval", {})
         gate_s = time.monotonic() - t
-
-        # Held-out questions, both tenants, every service.
-        rows = []
-        for tenant in (TENANT, CONTROL):
-            for kind, group in (("taught", taught), ("untaught", untaught)):
-                for name, p in group:
-                    answer, served = ask(clients[tenant], HELD_OUT.format(name=name), f"h-{tenant}-{name}",
-                                         args.max_tokens)
-                    rows.append({"tenant": tenant, "kind": kind, "service": name, "port": p, "answer": answer,
-                                 "memory_version": served, "right": has_port(answer, p),
-                                 "taught_port": any(has_port(answer, q) for _, q in taught if q != p)})
+        rows = held_out({t: clients[t] for t in (TENANT, CONTROL)}, MODEL, taught, untaught, args.max_tokens)
         return report(args, rows, version, gate, started, gate_s)
     finally:
         procs.stop_all()
@@ -156,33 +109,16 @@ def _ok(url: str) -> bool:
         return False
 
 
-def rate(rows: list[dict], key: str = "right") -> dict:
-    k, n = sum(r[key] for r in rows), len(rows)
-    lo, hi = wilson(k, n)
-    return {"k": k, "n": n, "rate": round(k / n, 3) if n else None, "wilson95": [round(lo, 3), round(hi, 3)]}
-
-
-def report(args, rows: list[dict], version: dict, gate: dict, started: float, gate_s: float) -> dict:
-    arm = {(t, kind): [r for r in rows if r["tenant"] == t and r["kind"] == kind]
-           for t in (TENANT, CONTROL) for kind in ("taught", "untaught")}
-    by_service = {r["service"]: r for r in arm[(CONTROL, "taught")]}
-    diffs = [float(r["right"]) - float(by_service[r["service"]]["right"]) for r in arm[(TENANT, "taught")]]
-    lo, hi = bootstrap_interval(diffs)
-    out = {
+def report(args, rows, version: dict, gate: dict, started: float, gate_s: float) -> dict:
+    return {
         "model": "SmolLM2-135M-Instruct (vLLM CPU, greedy)", "services": args.services, "seed": args.seed,
         "memory_version": {"name": version["name"], "status": version["status"],
                            "replay_gate": (gate.get("numbers") or {}).get("overall"), "gate_state": gate.get("state"),
                            "gate_seconds": round(gate_s, 1)},
-        "taught": {"memory": rate(arm[(TENANT, "taught")]), "control": rate(arm[(CONTROL, "taught")]),
-                   "paired_difference": {"mean": round(sum(diffs) / len(diffs), 3),
-                                         "bootstrap95": [round(lo, 3), round(hi, 3)]}},
-        "untaught": {"memory": rate(arm[(TENANT, "untaught")]), "control": rate(arm[(CONTROL, "untaught")]),
-                     "memory_gave_a_taught_port": rate(arm[(TENANT, "untaught")], "taught_port")},
-        "memory_applied": sum(r["memory_version"] is not None for r in rows if r["tenant"] == TENANT),
+        **compare(rows, TENANT, CONTROL),
         "seconds_to_start": round(started, 1),
-        "samples": [{k: r[k] for k in ("tenant", "kind", "service", "port", "answer")} for r in rows[:: max(1, len(rows) // 8)]],
+        "samples": rows_as_dicts(rows)[:: max(1, len(rows) // 8)],
     }
-    return out
 
 
 def main() -> None:

@@ -184,6 +184,7 @@ SQL_REWARD_PER_VERSION = """\
 SELECT x.version, count(*) AS sessions, avg(x.reward) AS mean_reward
 FROM (SELECT DISTINCT ON (st.session_id) st.model_version AS version, f.reward, st.started_at
       FROM steps st
+      JOIN sessions se ON se.id = st.session_id AND se.tenant_id = 'demo'
       JOIN feedback f ON f.session_id = st.session_id AND f.step_id IS NULL AND f.reward IS NOT NULL
       ORDER BY st.session_id, st.started_at) x
 GROUP BY x.version
@@ -296,3 +297,35 @@ def report(board: Board, rows: list[VersionStats], stored: list[dict[str, Any]],
         c.print(sql + ";", markup=False, soft_wrap=True)
     c.print()
     c.print(f"or directly, while a demo runs: {psql_path()} '{libpq_url(url)}'", markup=False, soft_wrap=True)
+
+
+def last_update(url: str) -> dict[str, Any]:
+    """The newest training update's metrics (written by the trainer)."""
+    from sqlalchemy import select
+
+    from proxy.store import db
+    from proxy.store import tables as t
+
+    engine = db.make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        with db.session_factory(engine)() as s:
+            row = s.scalars(select(t.TrainingUpdate).order_by(t.TrainingUpdate.id.desc()).limit(1)).first()
+            return dict(row.metrics or {}) if row else {}
+    finally:
+        engine.dispose()
+
+
+def rewards_by_version(url: str) -> list[dict[str, Any]]:
+    """Reward per version from the store: each session's reward, grouped by the weight version
+    stamped on its step's first output token (steps.model_version)."""
+    from sqlalchemy import text
+
+    from proxy.store import db
+
+    engine = db.make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text(SQL_REWARD_PER_VERSION)).mappings().all()
+            return [dict(r) for r in rows]
+    finally:
+        engine.dispose()

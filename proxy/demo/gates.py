@@ -232,3 +232,15 @@ def final_card(url: str, out: Path) -> tuple[str | None, str, dict[str, Any] | N
     (out / "card.md").write_text(text)
     (out / "card.json").write_text(json.dumps(card, indent=1, default=str) + "\n")
     return name, text, card
+
+
+def serving_version(proxy_url: str, admin_key: str) -> str | None:
+    """The weight version the proxy serves, or None while it cannot say."""
+    import httpx
+
+    try:
+        r = httpx.get(proxy_url + "/atdp/v1/versions", headers={"authorization": f"Bearer {admin_key}"},
+                      timeout=5.0, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return r.json().get("serving") if r.status_code == 200 else None

@@ -17,7 +17,11 @@ those rewarded steps, writes a checkpoint and asks the proxy to swap it into vLL
 (proxy.demo.gates: a held-out share of the sessions and an operator suite, scored per step by the
 task's rule, replayed greedily under the serving and the candidate weights; safety counts on the same
 answers); a rejected one never serves and the next round trains from the serving version again.
-After the last update one more round measures the final version. The end: a reward-per-version
+After the last update one more round measures the final version. Then one round of each other layer
+(proxy.demo.layers): users of a second tenant correct the agent about made-up services, the diagnosis
+proposes a memory version from their corrections, it meets the gates, and held-out questions measure
+it against a tenant without memory; an operator's system-prompt overlay for the lookup task is posted
+as a harness version and meets the same gates. The end: a reward-per-version
 table, each candidate's gates, the card of the last promoted version (ATDP_HOME/demo/card.md), a PNG
 plot under ATDP_HOME/demo/, and SQL to look at what was captured.
 
@@ -35,12 +39,20 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from proxy.config import read_settings
-from proxy.demo.board import SQL_REWARD_PER_VERSION, Board, Swap, has_views, merge_stats, plot, report
+from proxy.demo.board import (
+    Board,
+    Swap,
+    has_views,
+    last_update,
+    merge_stats,
+    plot,
+    report,
+    rewards_by_version,
+)
 from proxy.demo.gates import (
     EvalSuite,
     GateRound,
@@ -48,6 +60,7 @@ from proxy.demo.gates import (
     final_card,
     held_out_count,
     read_card,
+    serving_version,
     set_policy,
 )
 from proxy.demo.home import (
@@ -63,8 +76,9 @@ from proxy.demo.home import (
     versions_key,
     wait_until,
 )
+from proxy.demo.layers import LayerRound, harness_round, memory_round
 
-TENANT = "demo"
+TENANT = "demo"  # proxy.demo.board's SQL names it too
 SERVED = {"smollm2": "smollm2", "tiny": "tiny"}
 
 
@@ -94,6 +108,12 @@ class DemoConfig:
     # Asked for, so the card says what happened to it: with the demo's one vLLM replica the canary
     # gate is skipped (a canary needs a second replica group) and a passing candidate serves at once.
     canary_fraction: float = 0.5
+    # After the weight rounds, one round of each other layer (proxy.demo.layers): a memory version from
+    # users' corrections about `memory_services` made-up services (half of them taught), measured on
+    # held-out questions against a tenant without memory; a harness version from an operator's overlay.
+    layer_rounds: bool = True
+    memory_services: int = 40
+    memory_max_tokens: int = 32
     home: Path | None = None  # None: $ATDP_HOME, else ~/.local/share/atdp/demo
     vllm_python: str | None = None
     start_timeout_s: float = 600.0
@@ -113,17 +133,6 @@ def resolve_model(name: str) -> Path:
     raise SystemExit(f"unknown model {name!r} (smollm2 | tiny)")
 
 
-def serving_version(proxy_url: str, admin_key: str) -> str | None:
-    import httpx
-
-    try:
-        r = httpx.get(proxy_url + "/atdp/v1/versions", headers={"authorization": f"Bearer {admin_key}"},
-                      timeout=5.0, trust_env=False)
-    except httpx.HTTPError:
-        return None
-    return r.json().get("serving") if r.status_code == 200 else None
-
-
 def trainer_command(cfg: DemoConfig, python: str, proxy_url: str, min_steps: int) -> list[str]:
     return [
         python, "-m", "proxy.cli", "train", "--once",
@@ -138,38 +147,6 @@ def trainer_command(cfg: DemoConfig, python: str, proxy_url: str, min_steps: int
         # gradients took ~10 GB, and the kernel's OOM killer ended the trainer on a shared machine.
         "--micro-batch-tokens", "2048",
     ]  # fmt: skip
-
-
-def last_update(url: str) -> dict[str, Any]:
-    """The newest training update's metrics (written by the trainer)."""
-    from sqlalchemy import select
-
-    from proxy.store import db
-    from proxy.store import tables as t
-
-    engine = db.make_engine(url, pool_size=1, max_overflow=0)
-    try:
-        with db.session_factory(engine)() as s:
-            row = s.scalars(select(t.TrainingUpdate).order_by(t.TrainingUpdate.id.desc()).limit(1)).first()
-            return dict(row.metrics or {}) if row else {}
-    finally:
-        engine.dispose()
-
-
-def rewards_by_version(url: str) -> list[dict[str, Any]]:
-    """Reward per version from the store: each session's reward, grouped by the weight version
-    stamped on its step's first output token (steps.model_version)."""
-    from sqlalchemy import text
-
-    from proxy.store import db
-
-    engine = db.make_engine(url, pool_size=1, max_overflow=0)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(text(SQL_REWARD_PER_VERSION)).mappings().all()
-            return [dict(r) for r in rows]
-    finally:
-        engine.dispose()
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -190,6 +167,9 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
         raise SystemExit("no vLLM environment: run scripts/demo.sh (or scripts/vllm_env.sh), or set ATDP_VLLM_PYTHON")
     if cfg.sessions_per_round % cfg.group_size:
         raise SystemExit("--sessions-per-round must be a multiple of --group-size")
+    if cfg.layer_rounds and cfg.memory_services // 2 < cfg.eval_min_cases:
+        raise SystemExit(f"--memory-services {cfg.memory_services} teaches {cfg.memory_services // 2} services: the "
+                         f"memory candidate's suite needs at least --eval-min-cases ({cfg.eval_min_cases})")
     prepare_home(home)
     out = home / "demo"
     procs = Processes(out / "processes.json")
@@ -328,6 +308,19 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
                 evaluate_serving(new_version, f"round{round_no}_heldout")
             version = new_version
 
+        layer_rounds: list[LayerRound] = []
+        if cfg.layer_rounds:
+            t = time.monotonic()
+            layer_rounds.append(memory_round(board, db_url=url, proxy_url=proxy_url, admin_key=admin_key,
+                                             model=SERVED[cfg.model], suites=out / "suites",
+                                             n_services=cfg.memory_services, seed=cfg.seed,
+                                             max_tokens=cfg.memory_max_tokens))
+            timings["memory_round"] = time.monotonic() - t
+            t = time.monotonic()
+            layer_rounds.append(harness_round(board, db_url=url, proxy_url=proxy_url, admin_key=admin_key,
+                                              tenant=TENANT))
+            timings["harness_round"] = time.monotonic() - t
+
         board.phase("done: reading the store")
         stored = rewards_by_version(url)
         views = has_views(url)
@@ -351,6 +344,7 @@ def run_demo(cfg: DemoConfig, board: Board | None = None) -> int:
             "stored": [{k: (float(v) if k == "mean_reward" else v) for k, v in r.items()} for r in stored],
             "swaps": [s.__dict__ for s in board.swaps],
             "gates": [g.as_dict() for g in gate_rounds],
+            "layers": [asdict(r) for r in layer_rounds],
             "card": {"version": promoted, "filled": filled},
             "timings_s": {k: round(v, 1) for k, v in timings.items()},
         }, indent=1) + "\n")
@@ -434,7 +428,8 @@ def cmd_demo(args) -> int:
         model=args.model, rounds=args.rounds, sessions_per_round=args.sessions_per_round, group_size=args.group_size,
         concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr,
         ppo_epochs=args.ppo_epochs, lora_r=args.lora_r, seed=args.seed, home=home,
-        heldout_tasks=args.heldout_tasks, start_timeout_s=args.start_timeout, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, eval_min_cases=args.eval_min_cases, vllm_python=args.vllm_python or settings.vllm_python,
+        heldout_tasks=args.heldout_tasks, start_timeout_s=args.start_timeout, eval_cases=args.eval_cases, eval_holdout=args.eval_holdout, eval_max_cases=args.eval_max_cases, eval_min_cases=args.eval_min_cases, layer_rounds=args.layer_rounds, memory_services=args.memory_services,
+        vllm_python=args.vllm_python or settings.vllm_python,
     )
 
     INTERRUPT_CAUGHT.clear()
@@ -484,6 +479,10 @@ def register(sub) -> None:
     p.add_argument("--eval-max-cases", type=int, default=d.eval_max_cases, help="cases replayed per candidate")
     p.add_argument("--eval-min-cases", type=int, default=d.eval_min_cases,
                    help="the fewest cases a candidate is evaluated on; with fewer it waits (not promoted)")
+    p.add_argument("--memory-services", type=int, default=d.memory_services,
+                   help="made-up services in the memory round (half of them taught by corrections)")
+    p.add_argument("--no-layer-rounds", dest="layer_rounds", action="store_false",
+                   help="skip the memory and harness rounds after the weight rounds")
     p.add_argument("--start-timeout", type=float, default=d.start_timeout_s,
                    help="seconds to wait for vLLM to start (a loaded machine needs more)")
     p.add_argument("--home", help="the demo's home (default $ATDP_HOME, else ~/.local/share/atdp/demo)")

@@ -180,7 +180,7 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     # cannot promise the gates' default minimum of 20 cases: the minimum is the demo's option, as it
     # is an operator's setting, and 4 (the suite's cases alone) lets both gates run on any draw.
     proc = _demo(home, "--rounds", "2", "--eval-cases", "4", "--eval-holdout", "0.4", "--heldout-tasks", "16",
-                 "--eval-min-cases", "4")
+                 "--eval-min-cases", "4", "--memory-services", "16")
     try:
         out, _ = proc.communicate(timeout=900)
     finally:
@@ -211,12 +211,33 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
         ("changed", "why", "gates", "affected", "rollback"), True)}, out
     card = json.loads((home / "demo" / "card.json").read_text())
     assert card["version"]["name"] == "v2" and card["changed"]["parent"] == "v1"
-    assert card["rollback"]["restores"] == "v1" and card["affected"]["sessions"] == sessions[-1]
+    # v2's weights served its round and the memory round's sessions (8 taught, 16 questions to each tenant).
+    assert card["rollback"]["restores"] == "v1" and card["affected"]["sessions"] == sessions[-1] + 8 + 2 * 16, out
     assert (home / "demo" / "card.md").read_text().startswith("# Version v2 (serving)")
     assert "replay [passed]" in out and "# Version v2 (serving)" in out
     png = home / "demo" / "reward_per_version.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out success" in out and "atdp demo --psql" in out and "SELECT" in out
+    # One round of each other layer: a memory version proposed from 8 users' corrections and a harness
+    # version from an operator's overlay, each through the replay and safety gates; with the demo's
+    # canary share set, one that passes serves half of its tenant's new sessions. (Whether the tiny
+    # model gains from either is not the point: bench/memory_learning.py measures memory on SmolLM2.)
+    layers = {r["layer"]: r for r in summary["layers"]}
+    assert set(layers) == {"memory", "harness"}, summary["layers"]
+    assert layers["memory"]["version"] == "m1" and layers["harness"]["version"] == "h1"
+    for r in layers.values():
+        g = r["gates"]
+        assert g["replay_state"] in ("passed", "failed") and g["cases"] >= 4 and g["safety_state"], r
+        if g["replay_state"] == "failed":
+            assert r["status"] == "rejected" and g["canary_state"] is None, r
+        else:  # in its canary, or decided by the users' rewards (the memory round posts them)
+            canary = {"canary": "running", "serving": "passed", "rolled_back": "failed"}
+            assert g["canary_state"] == canary[r["status"]], r
+    assert layers["memory"]["gates"]["suite_cases"] == 8
+    m = layers["memory"]["measured"]
+    assert m["asked"] == 16 and m["taught"]["memory"]["n"] + m["taught"]["without_memory"]["n"] == 8
+    assert m["memory_applied"] == (m["taught"]["memory"]["n"] + m["untaught"]["memory"]["n"])
+    assert "m1 (memory) replay [" in out and "h1 (harness) replay [" in out and "with memory" in out
     # demo-results.json: every version (base included) was evaluated on the same held-out tasks, with
     # its interval and tool-call validity, next to its training reward. (Whether the tiny random model
     # learns is not the point here: the learning figures are the SmolLM2 demo's, docs/demo.md.)
@@ -240,7 +261,8 @@ def test_demo_runs_to_the_end_on_the_tiny_model(tmp_path):
     # What the demo printed can be run: psql on the stored demo database.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATDP_")}
     q = subprocess.run([sys.executable, "-m", "proxy.cli", "demo", "--home", str(home), "--psql",
-                        "SELECT count(*) FROM feedback"], cwd=ROOT, env=env, capture_output=True, text=True,
+                        "SELECT count(*) FROM feedback f JOIN sessions s ON s.id = f.session_id "
+                        "WHERE s.tenant_id = 'demo'"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
     assert q.returncode == 0, q.stderr
     assert str(sum(sessions)) in q.stdout.split()
