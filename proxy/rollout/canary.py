@@ -162,11 +162,19 @@ async def _decide(state: AppState, versions: Versions, ref: CanaryRef) -> None:
                 await conclude(state, versions, ref, verdict, reasons, numbers, actor="gate:" + CANARY_GATE)
                 return
             if count != seen:  # live numbers on the gate (GET /atdp/v1/versions/{id}, the card)
-                await run_db(state, lambda s, n=numbers: set_gate(s, ref.version_id, CANARY_GATE, GateState.running, n))
+                await run_db(state, lambda s, n=numbers: live_numbers(s, ref, n))
                 seen = count
         except Exception:
             log.exception("canary check of %s failed; retrying", ref.candidate)
             await asyncio.sleep(state.settings.canary_check_s)
+
+
+def live_numbers(s: Session, ref: CanaryRef, numbers: dict[str, Any]) -> None:
+    """The canary's numbers so far on its gate, unless it was decided since they were read: a rollback
+    (an operator's, or another proxy's monitor) must not be written over with `running`."""
+    row = s.get(t.Canary, ref.version_id, with_for_update=True, populate_existing=True)
+    if row is not None and row.decided_at is None:
+        set_gate(s, ref.version_id, CANARY_GATE, GateState.running, numbers)
 
 
 def evaluate(s: Session, state: AppState, ref: CanaryRef) -> tuple[str, list[str], dict[str, Any]]:

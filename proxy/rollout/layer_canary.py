@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from atdp_schema.models import GateState, VersionStatus
 from proxy.http import run_db
-from proxy.rollout.canary import CANARY_GATE, canary_on, evaluate, margins_of, tenants_of
+from proxy.rollout.canary import CANARY_GATE, canary_on, evaluate, live_numbers, margins_of, tenants_of
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.canary import CanaryRef, canary_of, finish_canary, mark_rolled_back, start_canary
@@ -122,7 +122,7 @@ async def monitor(state: AppState, ref: CanaryRef) -> None:
                 await conclude(state, ref, verdict, reasons, numbers, actor="gate:" + CANARY_GATE)
                 return
             if numbers["observations"] != seen:  # live numbers on the gate and the card
-                await run_db(state, lambda s, n=numbers: set_gate(s, ref.version_id, CANARY_GATE, GateState.running, n))
+                await run_db(state, lambda s, n=numbers: live_numbers(s, ref, n))
                 seen = numbers["observations"]
         except Exception as e:  # the database away: try again at the next check
             log.warning("canary check of %s failed (%s); retrying", ref.candidate, type(e).__name__)
