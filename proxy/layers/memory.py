@@ -5,8 +5,8 @@ is stored and GIN-indexed, the call's question becomes an OR of its discriminati
 in at most half of the memory's facts: words every fact shares would bring in facts about other
 things), and the facts rank by `ts_rank_cd`. Chosen over an embedding model because it needs nothing beyond the database
 every install already has, is exact about the names, ids and numbers that facts in agent traffic are made
-of (an embedding of "port 8443" is close to "port 8080"), and runs in about a millisecond at the sizes
-a tenant's memory has; its limit is synonyms ("car" does not find "vehicle").
+of (an embedding of "port 8443" is close to "port 8080"), and costs one query per user turn (about 6 ms
+added at 2,000 facts: docs/benchmarks.md); its limit is synonyms ("car" does not find "vehicle").
 
 Only a call whose last message is the user's searches memory (a tool result continues the same question),
 and the facts go in front of that message's text: the new turn, so a continuation's earlier tokens are

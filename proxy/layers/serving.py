@@ -28,9 +28,13 @@ from atdp_schema.models import VersionStatus
 from proxy.layers.memory import query_terms, question_text, with_facts
 from proxy.layers.overlay import HarnessOverlay, OverlayError, apply_harness, parse_overlay
 from proxy.store.canary import BEFORE, CANDIDATE, CanaryRef, assign_now
-from proxy.store.layers import HARNESS, MEMORY, LayerRow, active_layers, search
+from proxy.store.layers import HARNESS, MEMORY, LayerRow, active_layers, common_lexemes, search
 
 log = logging.getLogger("atdp.layers")
+
+# How long the words too common to search with stay as read for a memory version: a forget that drops
+# some of its facts shifts them a little, so they are read again now and then, never on a call's path.
+COMMON_TTL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class LayerVersion:
     layer: str
     tenant: str | None
     overlay: HarnessOverlay | None = None  # harness
-    facts: tuple[str, ...] = ()  # memory: the facts' ids
+    facts: frozenset[str] = frozenset()  # memory: the facts' ids
     canary: CanaryRef | None = None  # in its canary: which sessions it serves
 
 
@@ -67,7 +71,7 @@ def layer_version(row: LayerRow) -> LayerVersion | None:
             log.error("harness version %s is not applied: %s", row.name, e)
             return None
         return LayerVersion(row.id, row.name, row.layer, row.tenant, overlay=overlay, canary=row.canary)
-    facts = tuple(str(f) for f in row.spec.get("facts") or [])
+    facts = frozenset(str(f) for f in row.spec.get("facts") or [])
     return LayerVersion(row.id, row.name, row.layer, row.tenant, facts=facts, canary=row.canary)
 
 
@@ -80,6 +84,8 @@ class Layers:
     loaded_at: float = 0.0
     canaries: frozenset[str] = frozenset()  # ids of the versions in a canary, as last read
     arms: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (canary, tenant, session) -> arm
+    # memory version id -> (when read, its common words: proxy.store.layers.common_lexemes)
+    common: dict[str, tuple[float, frozenset[str]]] = field(default_factory=dict)
     max_arms: int = 100_000
     # One reload at a time, reading and setting together: a periodic read begun before a promotion
     # committed must not land after the promoting proxy's own reload.
@@ -99,6 +105,13 @@ class Layers:
     def _reload(self, factory: sessionmaker[Session]) -> None:
         with factory() as s:
             rows = active_layers(s)
+            now = time.monotonic()
+            common: dict[str, tuple[float, frozenset[str]]] = {}
+            for row in rows:
+                if row.layer == MEMORY and row.tenant is not None:
+                    held = self.common.get(row.id)
+                    common[row.id] = held if held is not None and now - held[0] < COMMON_TTL_S else (
+                        now, common_lexemes(s, row.tenant, [str(f) for f in row.spec.get("facts") or []]))
         scopes: dict[tuple[str, str | None], _Scope] = {}
         for row in rows:
             v = layer_version(row)
@@ -113,7 +126,7 @@ class Layers:
         if canaries != self.canaries:  # a canary ended: its arms are done with
             held = list(self.arms.items())  # one step under the GIL: the event loop adds arms meanwhile
             self.arms = {key: arm for key, arm in held if key[0] in canaries}
-        self.scopes, self.canaries, self.loaded_at = scopes, canaries, time.monotonic()
+        self.scopes, self.canaries, self.common, self.loaded_at = scopes, canaries, common, time.monotonic()
 
     async def run(self, stopping: threading.Event) -> None:
         """Re-read every `refresh_s` (versions another proxy promoted); the database may be away."""
@@ -186,7 +199,7 @@ class Layers:
         if memory is not None and question is not None:
             query = query_terms(question)
             try:
-                found = await asyncio.to_thread(self._search, tenant, list(memory.facts), query)
+                found = await asyncio.to_thread(self._search, tenant, memory, query)
             except Exception as e:
                 log.warning("memory %s not searched: %s", memory.name, type(e).__name__)
             else:
@@ -194,7 +207,9 @@ class Layers:
                 body = with_facts(body, [text for _, text in found])
         return body, applied
 
-    def _search(self, tenant: str, ids: list[str], query: list[str]) -> list[tuple[str, str]]:
+    def _search(self, tenant: str, memory: LayerVersion, query: list[str]) -> list[tuple[str, str]]:
+        """A version that does not serve (a gate's candidate) has its common words read with the search."""
         assert self.factory is not None
+        held = self.common.get(memory.id)
         with self.factory() as s:
-            return search(s, tenant, ids, query, self.top_k)
+            return search(s, tenant, memory.facts, query, self.top_k, held[1] if held else None)
