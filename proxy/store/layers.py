@@ -158,15 +158,16 @@ def facts_of(s: Session, tenant: str, ids: list[str]) -> list[t.MemoryFact]:
 # Words every fact shares ("service", "port") would otherwise bring facts about other things into a
 # question none of them answers, and a small model copies what it is shown. The words too common to
 # search with are read once per memory version (`common_lexemes`, a scan of its facts); a call's search
-# then touches only the facts its remaining words match, through the GIN index (a word in no fact
-# matches nothing, so "at least one" needs no count).
+# then needs no count per word (a word in no fact matches nothing, so "at least one" holds by itself).
+# Its plan still filters the tenant's facts rather than starting from the GIN index: about 3 ms at
+# 2,000 facts (docs/benchmarks.md, "Layers on the request path").
 COMMON = text("""
 WITH f AS (SELECT m.tsv FROM memory_facts m JOIN unnest(CAST(:ids AS varchar[])) v(id) ON v.id = m.id
             WHERE m.tenant_id = :tenant)
 SELECT x FROM f, unnest(tsvector_to_array(f.tsv)) x
  GROUP BY x HAVING count(*) > greatest(1, (SELECT count(*) FROM f) * 0.5)""")
 
-SEARCH = text("""
+_SEARCH = """
 WITH lexemes AS (  -- the words as the facts' vectors hold them (stemmed, stop words gone: no notices)
     SELECT DISTINCT x FROM unnest(CAST(:terms AS text[])) w, unnest(tsvector_to_array(to_tsvector('english', w))) x
      WHERE x <> ALL(CAST(:common AS text[]))),
@@ -175,13 +176,13 @@ SELECT m.id, m.text
   FROM memory_facts m, q
  WHERE q.q IS NOT NULL AND m.tenant_id = :tenant AND m.tsv @@ q.q {members}
  ORDER BY ts_rank_cd(m.tsv, q.q) DESC, m.created_at, m.id
- LIMIT :k""")
+ LIMIT :k"""
 # The tenant's best matches, filtered to the version's facts here: sending the version's fact ids with
 # every search cost more than the search (about 10 ms for 2,000 ids). Facts outside the version (a
 # candidate's, a rejected one's) are few; when they crowd the first rows, the search runs again with the
 # ids in the query.
-SEARCH_TENANT = text(SEARCH.text.replace("{members}", ""))
-SEARCH_MEMBERS = text(SEARCH.text.replace(
+SEARCH_TENANT = text(_SEARCH.replace("{members}", ""))
+SEARCH_MEMBERS = text(_SEARCH.replace(
     "{members}", "AND m.id IN (SELECT unnest(CAST(:ids AS varchar[])))"))
 OVERFETCH = 16
 

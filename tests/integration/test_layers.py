@@ -399,6 +399,10 @@ def test_memory_search_uses_only_the_words_that_tell_facts_apart(factory):
              (("brudax", 1666), ("hunefel", 8791), ("lakcas", 4127), ("narzi", 5310))]
     with db.transaction(factory) as s:
         ids = add_facts(s, tenant, [(x, {"operator": "test"}) for x in texts], actor="test")
+        # The tenant's facts outside this memory (a rejected candidate's) that match a question better
+        # than the version's own: more than the search's first rows hold.
+        add_facts(s, tenant, [(f"brudax brudax brudax note {i}", {"operator": "test"}) for i in range(24)],
+                  actor="test")
     with factory() as s:
         def ask(question: str) -> list[str]:
             return [body for _, body in search(s, tenant, ids, query_terms(question), 3)]
@@ -409,3 +413,4 @@ def test_memory_search_uses_only_the_words_that_tell_facts_apart(factory):
         assert ask("what listens on 4127") == [texts[2]]  # a number is a word like any other
         assert ask("the of and") == []  # stop words only
         assert search(s, tenant, ids[:1], query_terms("which port does brudax use"), 3) == [(ids[0], texts[0])]
+        assert ask("which port does brudax use") == [texts[0]]  # found past the others' crowd
