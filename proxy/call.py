@@ -192,10 +192,13 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
     must `close_upstream`. Raises UpstreamError (502/503) when no replica could take it.
     """
     state = call.state
-    if state.layers.active and path == "/v1/chat/completions":  # harness and memory versions (proxy.layers)
+    if (state.layers.active or state.shadow.runs) and path == "/v1/chat/completions":  # proxy.layers
+        client_body = upstream_body
         upstream_body, call.layers = await state.layers.apply(upstream_body, call.principal.tenant,
                                                               call.session.external_id,
                                                               continues=call.continuation.history_len > 0)
+        if state.shadow.runs:  # a candidate in its shadow gate may mirror this call, off its path
+            state.shadow.offer(client_body, upstream_body, call.principal.tenant, call.layers)
     route = state.routes.match(call.model)
     if route is not None:
         call.provider, call.version, call.upstream_url = route, route.target(str(call.model)), route.label

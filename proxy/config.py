@@ -209,6 +209,15 @@ class Settings(BaseSettings):
     canary_error_rise: float = Field(default=0.02, ge=0.0)  # roll back: an error-rate rise larger than this
     canary_tool_failure_rise: float = Field(default=0.05, ge=0.0)  # ... or a tool-failure-rate rise
     canary_check_s: float = Field(default=2.0, gt=0.0)  # the monitor also wakes on every reward posted
+    # The shadow gate of harness and memory candidates (after replay and safety, before the canary; off at
+    # 0 calls): `shadow_calls` live calls of the candidate's scope that it would change, each taken with
+    # probability `shadow_share`, are answered again off the request path as served and with the
+    # candidate, and compared (proxy.rollout.layer_shadow). Each mirror costs two upstream calls; at most
+    # `shadow_concurrency` run at once. Fewer than `shadow_calls` within `shadow_wait_s`: the gate fails.
+    shadow_calls: int = Field(default=0, ge=0)
+    shadow_share: float = Field(default=0.25, gt=0.0, le=1.0)
+    shadow_concurrency: int = Field(default=2, ge=1)
+    shadow_wait_s: float = Field(default=3600.0, gt=0.0)
     session_ttl_s: float = 24 * 3600.0
     # A retry of a call that ended this recently joins its session (proxy.sessions: when a call is a retry).
     retry_window_s: float = 30.0

@@ -24,6 +24,7 @@ from proxy.evolve.snapshot import DiagnosisCache
 from proxy.governance.policies import Policies
 from proxy.governance.redaction import TextRedactor
 from proxy.layers.serving import Layers
+from proxy.layers.shadow import ShadowTap
 from proxy.providers import RouteTable
 from proxy.record.durability import Writer
 from proxy.sessions import ContinuationIndex
@@ -62,6 +63,7 @@ class AppState:
     tokens: TokenMemory = field(default_factory=TokenMemory)  # served steps' ids, for token-in-token-out
     bus_id: str = ""  # this proxy's id on the notes channel (its own forget notes skip it); '' without one
     layers: Layers = field(default_factory=Layers)  # harness and memory versions that serve; factory set on connect
+    shadow: ShadowTap = field(default_factory=ShadowTap)  # live calls offered to shadow gates (proxy.layers.shadow)
 
     async def authenticate(self, request: Request, *, admin: bool = False, scope: str | None = None) -> Principal:
         """Who calls. `admin`: the route needs the admin key, or a scoped key covering `scope`;

@@ -48,6 +48,7 @@ from proxy.rollout.gates import (
     score_gate,
     too_few_cases,
 )
+from proxy.rollout.layer_shadow import SHADOW_GATE, run_shadow, shadow_on
 from proxy.state import AppState
 from proxy.store import tables as t
 from proxy.store.layers import HARNESS, LAYERS, MEMORY, LayerRow, layer_row, promote
@@ -95,9 +96,11 @@ def target_of(row: LayerRow) -> LayerTarget:
 
 async def run_layer_gates(state: AppState, lg: LayerGates, target: LayerTarget, *, actor: str) -> None:
     """Evaluate `target`, then promote or reject it (the status is in the database)."""
+    gates = (*GATES, SHADOW_GATE) if shadow_on(state) else GATES
+
     def queue(s) -> None:
         set_status(s, target.id, VersionStatus.evaluating)
-        for gate in GATES:
+        for gate in gates:
             set_gate(s, target.id, gate, GateState.pending)
 
     await run_db(state, queue)
@@ -107,7 +110,7 @@ async def run_layer_gates(state: AppState, lg: LayerGates, target: LayerTarget, 
             reason = f"superseded by {newer}, registered after it and serving now"
 
             def drop(s) -> None:
-                for gate in GATES:
+                for gate in gates:
                     set_gate(s, target.id, gate, GateState.skipped, {"reason": reason}, finished=True)
                 mark_rejected(s, target.id, [reason], actor=actor)
 
@@ -134,12 +137,59 @@ async def run_layer_gates(state: AppState, lg: LayerGates, target: LayerTarget, 
             return
         blocking = {g: r for g, r in results.items() if r.state not in (GateState.passed, GateState.skipped)}
         if blocking:
-            reasons = [reason for r in blocking.values() for reason in r.reasons]
-            await run_db(state, lambda s: mark_rejected(s, target.id, reasons, actor="gate:" + ",".join(blocking)))
-            log.warning("%s version %s rejected: %s", target.layer, target.name, "; ".join(reasons))
+            if shadow_on(state):
+                await run_db(state, lambda s: set_gate(s, target.id, SHADOW_GATE, GateState.skipped,
+                                                       {"reason": "replay or safety gate did not pass"}, finished=True))
+            await _reject(state, target, blocking)
             return
-        if not await layer_canary.begin(state, lg.canaries, target.id, actor=actor):
-            await promote_now(state, target, actor=actor)
+        if not shadow_on(state):
+            await _serve(state, lg, target, actor=actor)
+            return
+    # The shadow gate waits for live calls: outside the lock, so other candidates' gates go on meanwhile.
+    if await _shadow(state, target, actor=actor):
+        async with lg.lock:
+            await _serve(state, lg, target, actor=actor)
+
+
+async def _serve(state: AppState, lg: LayerGates, target: LayerTarget, *, actor: str) -> None:
+    """Gates passed: its canary, or (the canary off) its scope at once."""
+    if not await layer_canary.begin(state, lg.canaries, target.id, actor=actor):
+        await promote_now(state, target, actor=actor)
+
+
+async def _reject(state: AppState, target: LayerTarget, blocking: dict[str, GateResult]) -> None:
+    reasons = [reason for r in blocking.values() for reason in r.reasons]
+    await run_db(state, lambda s: mark_rejected(s, target.id, reasons, actor="gate:" + ",".join(blocking)))
+    log.warning("%s version %s rejected: %s", target.layer, target.name, "; ".join(reasons))
+
+
+async def _shadow(state: AppState, target: LayerTarget, *, actor: str) -> bool:
+    """Gate 2b, live calls mirrored (proxy.rollout.layer_shadow). False: the version was rejected, or the
+    proxy stops before the gate decided."""
+    row = await run_db(state, lambda s: layer_row(s, target.id))
+    candidate = layer_version(row) if row is not None else None
+    if candidate is None:
+        result = GateResult(GateState.error, {}, [f"{target.name} is not a valid {target.layer} version"])
+    else:
+        log.info("%s version %s mirrors live calls (shadow gate)", target.layer, target.name)
+        try:
+            outcome = await run_shadow(state, target.id, candidate)
+        except Exception as e:
+            log.exception("shadow gate of %s could not run", target.name)
+            outcome = GateResult(GateState.error, {"error": f"{type(e).__name__}: {e}"},
+                                 [f"shadow gate could not run: {type(e).__name__}"])
+        if outcome is None:
+            return False
+        result = outcome
+    await run_db(state, lambda s: set_gate(s, target.id, SHADOW_GATE, result.state, result.numbers, finished=True))
+    if result.state != GateState.passed:
+        await _reject(state, target, {SHADOW_GATE: result})
+        return False
+    if newer := await run_db(state, lambda s: superseded_by(s, target.id)):  # promoted while this one waited
+        await run_db(state, lambda s: mark_rejected(s, target.id, [f"superseded by {newer} during its shadow gate"],
+                                                    actor=actor))
+        return False
+    return True
 
 
 async def promote_now(state: AppState, target: LayerTarget, *, actor: str) -> None:

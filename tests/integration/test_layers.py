@@ -414,3 +414,84 @@ def test_memory_search_uses_only_the_words_that_tell_facts_apart(factory):
         assert ask("the of and") == []  # stop words only
         assert search(s, tenant, ids[:1], query_terms("which port does brudax use"), 3) == [(ids[0], texts[0])]
         assert ask("which port does brudax use") == [texts[0]]  # found past the others' crowd
+
+
+def _until(proxy, name: str, done, what: str, make_call, calls: int = 60) -> dict:
+    """Live calls (`make_call(i)`) until `done(detail)`."""
+    for i in range(calls):
+        detail = _detail(proxy, name)
+        if done(detail):
+            return detail
+        make_call(i)
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not after {calls} calls: {_detail(proxy, name)}")
+
+
+def test_a_shadow_gate_mirrors_live_calls_and_decides_on_them(start_proxy, reader, tmp_path, own_db):
+    """With ATDP_SHADOW_CALLS, a harness candidate whose replay and safety gates pass is not served until
+    live calls of its scope, answered again off their path as served and with the candidate, show it
+    answers no worse. A schema fix is promoted on them; a candidate that undoes it is rejected, though the
+    replay suite (which asks nothing about tools) cannot tell the two apart."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    url, factory = own_db
+    suites = _suite(tmp_path, tenant, [{"id": f"s-{i}", "messages": [{"role": "user", "content": f"#say ok {i}"}],
+                                        "evaluator": "regex", "expected": "ok"} for i in range(4)])
+    proxy = start_proxy([reader.url], tenant=tenant, gates="on", eval_min_cases=4, eval_suites=suites,
+                        shadow_calls=4, shadow_share=1.0, shadow_wait_s=120, database_url=url)
+    assert proxy.versions.ready.wait(30)
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, timeout=30,
+                   json={"layer": "harness", "tenant": tenant, "overlay": UNIT_FIX})
+    assert r.status_code in (200, 202), r.text
+    fix = r.json()["name"]
+    shadow_of = lambda d: next((g for g in d["gates"] if g["gate"] == "shadow"), {})  # noqa: E731
+    detail = _until(proxy, fix, lambda d: shadow_of(d).get("state") == "running", "shadow gate running",
+                    lambda i: None)
+    assert {g["gate"]: g["state"] for g in detail["gates"]} == {"replay_eval": "passed", "safety": "passed",
+                                                                "shadow": "running"}
+    sent_before = len(reader.requests)
+    live: list[tuple[str, str | None, str]] = []  # (session, harness header, the unit the model sent)
+
+    def live_call(i: int) -> None:
+        _say(proxy, f"#say hello {i}", f"{tenant}-say{i}")  # no tools: the overlay changes nothing to mirror
+        sid = f"{tenant}-live{i}"
+        r = _weather(proxy, "Bern", sid)
+        unit = json.loads(r.parse().choices[0].message.tool_calls[0].function.arguments)["unit"]
+        live.append((sid, r.headers.get("x-atdp-harness-version"), unit))
+
+    detail = _until(proxy, fix, lambda d: d["status"] != "evaluating", "shadow decided", live_call)
+    assert detail["status"] == "serving", detail
+    # Never served while in its shadow: each live call gives at most one mirror, and the gate wanted 4, so
+    # the first 4 calls (at least) went out as served, without the fix.
+    assert len(live) >= 4 and all(header is None and unit == "Celsius" for _, header, unit in live[:4]), live
+    gate = shadow_of(detail)
+    n = gate["numbers"]
+    assert gate["state"] == "passed" and n["mirrored"] == 4 and n["dropped"] == 0 and n["unchanged"] >= 1
+    assert n["overall"]["candidate_mean"] == 1.0 and n["overall"]["serving_mean"] == 0.0
+    assert n["candidate_problems"] == {} and any(p.startswith("get_weather.") for p in n["serving_problems"])
+    # Each mirror went out twice, unstreamed: as served (no fix) and with the candidate (the fix).
+    mirrors = [b for b in reader.requests[sent_before:] if b.get("stream") is False]  # the live calls leave it out
+    fixed = ["Must be exactly one of" in json.dumps(b.get("tools")) for b in mirrors]
+    assert len(mirrors) == 8 and sum(fixed) == 4, mirrors
+    # Mirrors are not steps: the tenant's weather sessions hold the live calls only.
+    proxy.flush()
+    assert all(len(proxy.steps(factory, sid)) == 1 for sid, _, _ in live)
+    card = httpx.get(f"{proxy.url}/atdp/v1/versions/{fix}/card", headers=ADMIN, timeout=10).json()
+    assert "**shadow**: passed: n=4, candidate 1.000, serving 0.000" in card_markdown(card)
+
+    undo = {"tools": {"get_weather": {"properties": {"unit": {"description": "Temperature unit."}}}}}
+    r = httpx.post(f"{proxy.url}/atdp/v1/versions", headers=ADMIN, timeout=30,
+                   json={"layer": "harness", "tenant": tenant, "overlay": undo})
+    assert r.status_code in (200, 202), r.text
+    bad = r.json()["name"]
+
+    def served_call(i: int) -> None:
+        r = _weather(proxy, "Oslo", f"{tenant}-undo{i}")
+        assert r.headers["x-atdp-harness-version"] == fix
+
+    detail = _until(proxy, bad, lambda d: d["status"] != "evaluating", "undo decided", served_call)
+    assert detail["status"] == "rejected", detail
+    gate = shadow_of(detail)
+    assert gate["state"] == "failed" and gate["numbers"]["overall"]["candidate_mean"] == 0.0
+    assert gate["numbers"]["overall"]["serving_mean"] == 1.0 and "shadow: sound answers" in detail["error"]
+    assert {g["gate"]: g["state"] for g in detail["gates"]}["replay_eval"] == "passed"
+    assert _weather(proxy, "Bern", f"{tenant}-end").headers["x-atdp-harness-version"] == fix
