@@ -2,6 +2,8 @@
 
 Every setting is an `ATDP_*` environment variable; `ATDP_CONFIG` may name a TOML file whose keys are
 the variable names without the prefix, lower-case (`upstream_url = "..."`). The environment wins.
+The trainer's settings are one section, `Settings.train` (`TrainSettings`): `ATDP_TRAIN_LR` and
+`train_lr = ...` (or `lr = ...` in a `[train]` table) are `settings.train.lr`.
 pydantic-settings does the reading and the type checks; `load_settings` adds the deployment secret.
 Each process loads the settings once at its entry point and passes them down.
 """
@@ -11,12 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -84,19 +86,105 @@ class UpstreamRoute(BaseModel):
         return self.provider != VLLM
 
 
+# The trainer's choices (TrainSettings).
+SampleMode = Literal["step", "trajectory"]
+Weighting = Literal["token", "session"]
+OptimizerState = Literal["fresh", "keep"]
+EngineNumerics = Literal["auto", "fp32", "bf16", "bf16-amx", "bf16-trunc"]
+BehaviourLogprobs = Literal["auto", "processed", "raw"]
+
+
+class TrainSettings(BaseModel):
+    """The trainer's settings (`atdp train`; trainer.loop.TrainConfig holds them as `train`).
+
+    Each is written once, here: `Settings.train.<name>` is the variable `ATDP_TRAIN_<NAME>`, the TOML
+    key `train_<name>` (or `<name>` in a `[train]` table) and the flag `--<name>` (dashes for
+    underscores), whose help is the description.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_steps: int = Field(32, description="train once this many rewarded steps wait")
+    interval_s: float = Field(300.0, description="...or after this long, if at least one waits")
+    max_steps: int = Field(512, description="steps per update (lease size)")
+    max_version_lag: int = Field(4, description="skip steps more versions old than this")
+    lease_ttl_s: float = Field(1800.0, description="a crashed trainer's lease expires after this")
+    lr: float = Field(1e-5, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    ppo_epochs: int = Field(1, description="optimizer steps per batch")
+    samples: SampleMode = Field("trajectory", description="step: one sample per step; trajectory: a session whose "
+                                "prompts extend each other token for token is one sequence (else per step)")
+    turn_discount: float = Field(1.0, description="step samples: earlier turns get reward * discount**k")
+    max_len: int = Field(4096, description="tokens per sample (cut on the right)")
+    micro_batch_tokens: int = Field(8192, description="padded tokens per micro-batch")
+    clip_low: float = Field(0.2, description="PPO clip epsilon below 1")
+    clip_high: float = Field(0.28, description="PPO clip epsilon above 1")
+    ratio_mask_low: float = Field(0.5, description="drop tokens with p_train/p_engine below")
+    ratio_mask_high: float = Field(2.0, description="...or above this")
+    max_grad_norm: float = Field(1.0, description="gradient clipping")
+    kl_mask: float = Field(0.0, description="drop tokens with Bernoulli KL(train, engine) above (0: off)")
+    kl_coef: float = Field(0.0, description="KL penalty coefficient, k3 estimator (0: off)")
+    kl_ref: str = Field("behaviour", description="KL reference: behaviour | base | a checkpoint path")
+    temperature: float = Field(1.0, description="logprob temperature (1: the engine's raw logprobs)")
+    weighting: Weighting = Field("token", description="loss weight: token | session (each session once)")
+    # fresh by default until the e2e learning step size is re-derived for kept state (docs/training.md)
+    optimizer_state: OptimizerState = Field(
+        "fresh", description="keep: AdamW state carries over between updates and --once runs; fresh: each starts anew")
+    normalize_std: int = Field(1, description="1: divide advantages by the group's reward std")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="master weights: fp32 | bf16")
+    compute_dtype: Literal["", "bf16"] = Field("", description="bf16: bf16 compute under FSDP2 (default: as stored)")
+    save_dtype: Literal["fp32", "bf16"] = Field("fp32", description="checkpoint dtype (the engine casts to its own)")
+    engine_numerics: EngineNumerics = Field(
+        "auto", description="auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-amx | bf16-trunc (trainer/numerics.py)")
+    behaviour_logprobs: BehaviourLogprobs = Field(
+        "auto", description="auto: ask the engine; processed: vLLM reports logprobs after temperature/top-p "
+        "(--logprobs-mode processed_logprobs), each step is recomputed with its sampling; raw: temperature 1")
+    lora_r: int = Field(0, description="LoRA rank (0: full fine-tuning)")
+    seed: int = Field(0, description="torch seed")
+    max_updates: int = Field(0, description="stop after this many updates (0: never)")
+    when: Literal["always", "diagnosed"] = Field(
+        "always", description="always | diagnosed: update only while `atdp diagnose` recommends a policy update "
+        "(docs/diagnosis.md)")
+
+
+# The trainer's settings written flat (ATDP_TRAIN_<NAME>, the TOML file's train_<name>): each source moves
+# them into `train` itself, so the environment wins over the file per setting, and a key over [train].
+_TRAIN_VARIABLE, _TRAIN_KEY = "atdp_train_", "train_"
+
+
+def _gather_train(data: dict[str, Any], flat: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """`data` (one source's values) with the settings `flat` names `<prefix><name>` in its `train` section;
+    other `<prefix>*` names are no settings and stay ignored (ATDP_TRAIN_NPROC is docker-compose's)."""
+    section = {name: flat[prefix + name] for name in TrainSettings.model_fields if prefix + name in flat}
+    if section:
+        table = data.get("train")
+        data["train"] = {**table, **section} if isinstance(table, dict) else section
+    return data
+
+
+def _train_names(loc: tuple[int | str, ...]) -> str:
+    """How a trainer setting is written: `ATDP_TRAIN_LR (train_lr)`."""
+    name = "_".join(str(part) for part in loc)
+    return f"ATDP_TRAIN_{name.upper()} (train_{name})" if name else "train"
+
+
 class _Environment(EnvSettingsSource):
     """The environment of `load_settings` (os.environ unless a mapping was given)."""
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
         return parse_env_vars(_environ(), self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
 
+    def __call__(self) -> dict[str, Any]:
+        return _gather_train(super().__call__(), self.env_vars, _TRAIN_VARIABLE)  # names lower-cased
 
-# The trainer's choices, shared by its settings (ATDP_TRAIN_*, the flags) and trainer.loop.TrainConfig.
-SampleMode = Literal["step", "trajectory"]
-Weighting = Literal["token", "session"]
-OptimizerState = Literal["fresh", "keep"]
-EngineNumerics = Literal["auto", "fp32", "bf16", "bf16-amx", "bf16-trunc"]
-BehaviourLogprobs = Literal["auto", "processed", "raw"]
+
+class _TomlFile(TomlConfigSettingsSource):
+    """The `ATDP_CONFIG` file: keys are the variables' names without the prefix, lower-case."""
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        return _gather_train(data, {str(k).lower(): v for k, v in data.items()}, _TRAIN_KEY)
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ATDP_", env_ignore_empty=True, extra="ignore",
@@ -261,45 +349,8 @@ class Settings(BaseSettings):
     routes: list[UpstreamRoute] = Field(default_factory=list)
     # --- the trainer (`atdp train`; its flags override these) ----------------------------------------
     proxy_url: str | None = Field(None, description="the proxy (default http://ATDP_HOST:ATDP_PORT)")
-    train_min_steps: int = Field(32, description="train once this many rewarded steps wait")
-    train_interval_s: float = Field(300.0, description="...or after this long, if at least one waits")
-    train_max_steps: int = Field(512, description="steps per update (lease size)")
-    train_max_version_lag: int = Field(4, description="skip steps more versions old than this")
-    train_lease_ttl_s: float = Field(1800.0, description="a crashed trainer's lease expires after this")
-    train_lr: float = Field(1e-5, description="AdamW learning rate")
-    train_weight_decay: float = Field(0.0, description="AdamW weight decay")
-    train_ppo_epochs: int = Field(1, description="optimizer steps per batch")
-    train_samples: SampleMode = Field("trajectory", description="step: one sample per step; trajectory: a session whose "
-                               "prompts extend each other token for token is one sequence (else per step)")
-    train_turn_discount: float = Field(1.0, description="step samples: earlier turns get reward * discount**k")
-    train_max_len: int = Field(4096, description="tokens per sample (cut on the right)")
-    train_micro_batch_tokens: int = Field(8192, description="padded tokens per micro-batch")
-    train_clip_low: float = Field(0.2, description="PPO clip epsilon below 1")
-    train_clip_high: float = Field(0.28, description="PPO clip epsilon above 1")
-    train_ratio_mask_low: float = Field(0.5, description="drop tokens with p_train/p_engine below")
-    train_ratio_mask_high: float = Field(2.0, description="...or above this")
-    train_max_grad_norm: float = Field(1.0, description="gradient clipping")
-    train_kl_mask: float = Field(0.0, description="drop tokens with Bernoulli KL(train, engine) above (0: off)")
-    train_kl_coef: float = Field(0.0, description="KL penalty coefficient, k3 estimator (0: off)")
-    train_kl_ref: str = Field("behaviour", description="KL reference: behaviour | base | a checkpoint path")
-    train_temperature: float = Field(1.0, description="logprob temperature (1: the engine's raw logprobs)")
-    train_weighting: Weighting = Field("token", description="loss weight: token | session (each session once)")
-    train_optimizer_state: OptimizerState = Field(
-        "fresh", description="keep: AdamW state carries over between updates and --once runs; fresh: each starts anew")
-    train_normalize_std: int = Field(1, description="1: divide advantages by the group's reward std")
-    train_dtype: Literal["fp32", "bf16"] = Field("fp32", description="master weights: fp32 | bf16")
-    train_compute_dtype: Literal["", "bf16"] = Field("", description="bf16: bf16 compute under FSDP2 (default: as stored)")
-    train_save_dtype: Literal["fp32", "bf16"] = Field("fp32", description="checkpoint dtype (the engine casts to its own)")
-    train_engine_numerics: EngineNumerics = Field(
-        "auto", description="auto: probe the engine for how it rounds; or fp32 | bf16 | bf16-amx | bf16-trunc (trainer/numerics.py)")
-    train_behaviour_logprobs: BehaviourLogprobs = Field(
-        "auto", description="auto: ask the engine; processed: vLLM reports logprobs after temperature/top-p "
-        "(--logprobs-mode processed_logprobs), each step is recomputed with its sampling; raw: temperature 1")
-    train_lora_r: int = Field(0, description="LoRA rank (0: full fine-tuning)")
-    train_seed: int = Field(0, description="torch seed")
-    train_max_updates: int = Field(0, description="stop after this many updates (0: never)")
-    train_when: Literal["always", "diagnosed"] = Field("always", description="always | diagnosed: update only while `atdp diagnose` "
-                            "recommends a policy update (docs/diagnosis.md)")
+    # ATDP_TRAIN_<NAME>, or train_<name> in the TOML file (see TrainSettings and _gather_train).
+    train: TrainSettings = Field(default_factory=TrainSettings)
     # --- the demo and the tests' vLLM ----------------------------------------------------------------
     vllm_venv: Path | None = None  # the vLLM environment (default: the one scripts/vllm_env.sh builds)
     vllm_python: str | None = None  # that environment's python, given directly
@@ -327,6 +378,18 @@ class Settings(BaseSettings):
             return None
         return value
 
+    @field_validator("train", mode="wrap")
+    @classmethod
+    def _name_the_variable(cls, value: object, handler: Callable[[object], TrainSettings]) -> TrainSettings:
+        """A bad trainer setting is named as it is written (ATDP_TRAIN_LR, train_lr), not `train.lr`."""
+        try:
+            return handler(value)
+        except ValidationError as e:
+            raise ValueError("; ".join(
+                f"[train] {err['loc'][0]}: not a trainer setting" if err["type"] == "extra_forbidden"
+                else f"{_train_names(err['loc'])}: {err['msg']} (given {err['input']!r})"
+                for err in e.errors())) from None
+
     @field_validator("otel_exporter", "writer_mode", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:  # before the Literal check: ATDP_WRITER=THREAD is thread
@@ -343,7 +406,7 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, _Environment(settings_cls)]
         if path := _environ().get("ATDP_CONFIG"):
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
+            sources.append(_TomlFile(settings_cls, toml_file=Path(path)))
         return tuple(sources)
 
     @property

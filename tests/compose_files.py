@@ -143,9 +143,9 @@ def code_env_names() -> set[str]:
     or the field's ATDP_* alias) and any other ATDP_* name the code mentions."""
     from pydantic import AliasChoices
 
-    from proxy.config import Settings
+    from proxy.config import Settings, TrainSettings
 
-    names: set[str] = set()
+    names: set[str] = {f"ATDP_TRAIN_{name.upper()}" for name in TrainSettings.model_fields}  # Settings.train
     for field, info in Settings.model_fields.items():
         names.add(f"ATDP_{field.upper()}")
         if isinstance(info.validation_alias, AliasChoices):

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from atdp_schema.models import VersionStatus
-from proxy.config import BehaviourLogprobs, EngineNumerics, OptimizerState, SampleMode, Weighting
+from proxy.config import TrainSettings
 from proxy.governance.policies import Policies
 from trainer import dist, numerics
 from trainer.batch import (
@@ -65,41 +65,14 @@ class TrainConfig:
     proxy_url: str
     proxy_key: str | None  # a key scoped to versions:write (ATDP_TRAINER_KEY), else the admin key
     checkpoints_dir: Path
-    # cadence
-    min_steps: int = 32
-    interval_s: float = 300.0
+    # The tunables: cadence, data, optimisation, numerics (ATDP_TRAIN_* and `atdp train`'s flags;
+    # proxy.config.TrainSettings has each one's type, default and meaning).
+    train: TrainSettings = field(default_factory=TrainSettings)
     once: bool = False
-    max_updates: int | None = None
     poll_s: float = 2.0
-    # data
-    max_steps: int = 512
-    max_version_lag: int = 4
-    lease_ttl_s: float = 1800.0
-    samples: SampleMode = "trajectory"  # step | trajectory: one sample per step or per session (batch.build_samples)
-    turn_discount: float = 1.0
-    max_len: int = 4096
-    micro_batch_tokens: int = 8192
-    normalize_std: bool = True
-    weighting: Weighting = "token"  # token | session: how a session's tokens weigh in the loss (batch.session_weights)
-    # keep: AdamW state carries over between updates (.trainer-state); fresh: each update starts anew.
-    # fresh by default until the e2e learning step size is re-derived for kept state (docs/training.md)
-    optimizer_state: OptimizerState = "fresh"
-    # optimisation
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    ppo_epochs: int = 1
-    ppo: PPOOptions = field(default_factory=PPOOptions)
-    dtype: str = "fp32"  # master weights
-    compute_dtype: str | None = None  # "bf16": bf16 forward/backward under FSDP2
-    save_dtype: str = "fp32"
-    # auto: probe the engine for how it rounds (trainer/numerics.py); or fp32 | bf16 | bf16-amx | bf16-trunc
-    engine_numerics: EngineNumerics = "auto"
-    engine_url: str | None = None  # a vLLM replica, for the probe
-    behaviour_logprobs: BehaviourLogprobs = "auto"  # auto (ask the engine) | processed | raw: trainer/sampling.py
+    engine_url: str | None = None  # a vLLM replica, for the numerics probe and `behaviour_logprobs: auto`
     engine_api_key: str | None = None
     grad_checkpointing: bool = False
-    lora_r: int = 0
-    seed: int = 0
     swap_timeout_s: float = 900.0
     weight_transfer: str = "disk"  # nccl: the engine also gets the weights over NCCL (trainer.weight_transfer)
     owner: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
@@ -110,8 +83,20 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # Checked before anything is leased (build_samples would refuse it after the lease).
-        if self.samples == "trajectory" and self.turn_discount != 1.0:
+        if self.train.samples == "trajectory" and self.train.turn_discount != 1.0:
             raise ValueError("turn_discount applies to step samples only: a trajectory gives every turn its reward")
+
+    @property
+    def ppo(self) -> PPOOptions:
+        return ppo_options(self.train)
+
+
+def ppo_options(train: TrainSettings) -> PPOOptions:
+    """The loss's options from the trainer's settings (0 turns the grad-norm clip and the KL mask off)."""
+    return PPOOptions(clip_eps_low=train.clip_low, clip_eps_high=train.clip_high,
+                      ratio_mask_low=train.ratio_mask_low, ratio_mask_high=train.ratio_mask_high,
+                      kl_mask=train.kl_mask or None, temperature=train.temperature,
+                      max_grad_norm=train.max_grad_norm or None, kl_coef=train.kl_coef, kl_ref=train.kl_ref)
 
 
 @dataclass
@@ -158,14 +143,16 @@ class Controller:
     @functools.cached_property
     def logprobs_mode(self) -> str:
         """How the engine reports behaviour logprobs ("raw" | "processed"); asked once."""
-        return resolve_logprobs_mode(self.cfg.behaviour_logprobs, self.cfg.engine_url, api_key=self.cfg.engine_api_key)
+        return resolve_logprobs_mode(self.cfg.train.behaviour_logprobs, self.cfg.engine_url, api_key=self.cfg.engine_api_key)
 
     def start_run(self) -> str:
         from proxy.store import tables as t
         from proxy.store.ids import new_id
 
         self.run_id = new_id()
-        config = _jsonable({k: v for k, v in asdict(self.cfg).items() if k not in ("proxy_key", "database_url", "policies")})
+        skip = ("proxy_key", "database_url", "policies", "train")
+        config = _jsonable({**{k: v for k, v in asdict(self.cfg).items() if k not in skip},
+                            "train": self.cfg.train.model_dump()})
         with self.factory() as s, s.begin():
             s.add(t.TrainingRun(id=self.run_id, config=config, host=socket.gethostname()))
         return self.run_id
@@ -190,18 +177,18 @@ class Controller:
         from proxy.store.versions import serving_version
         from trainer import lease
 
-        cfg = self.cfg
+        cfg, train = self.cfg, self.cfg.train
         deadline = time.monotonic() + WAIT_SLICE_S
         while True:
             with self.factory() as s:
                 ready = lease.count_ready(s, cfg.policies.holdout_shares(s))
                 held = cfg.gate(s) if ready and cfg.gate else None
-            due = time.monotonic() - self.last_update >= cfg.interval_s
-            if ready and not held and (cfg.once or ready >= cfg.min_steps or due):
+            due = time.monotonic() - self.last_update >= train.interval_s
+            if ready and not held and (cfg.once or ready >= train.min_steps or due):
                 break
             if cfg.once:
                 return Plan(kind="stop", message=held or "no eligible rewarded steps to train on")
-            self.display.phase(held or f"waiting for rewarded steps: {ready}/{cfg.min_steps}")
+            self.display.phase(held or f"waiting for rewarded steps: {ready}/{train.min_steps}")
             if time.monotonic() >= deadline:
                 return Plan(kind="wait")
             time.sleep(cfg.poll_s)
@@ -211,32 +198,32 @@ class Controller:
             if current is None:
                 return Plan(kind="wait", message="no serving version yet (is the proxy running?)")
             holdout = cfg.policies.holdout_shares(s)  # the replay gate's sessions stay out
-            ids = lease.lease(s, owner=cfg.owner, ttl_s=cfg.lease_ttl_s, max_steps=cfg.max_steps, holdout=holdout)
+            ids = lease.lease(s, owner=cfg.owner, ttl_s=train.lease_ttl_s, max_steps=train.max_steps, holdout=holdout)
         if not ids:  # another trainer took them
             return Plan(kind="wait")
         self.leased = ids
         with self.factory() as s, s.begin():
             loaded = lease.load(s, ids, current=current.name, policies=cfg.policies,
                                 processed=self.logprobs_mode == "processed")
-            fresh, stale = split_stale(loaded.steps, max_version_lag=cfg.max_version_lag)
+            fresh, stale = split_stale(loaded.steps, max_version_lag=train.max_version_lag)
             reasons = dict(loaded.skipped)
             for st in stale:
                 lag = "unknown version" if st.version_lag >= lease.UNKNOWN_LAG else f"{st.version_lag} versions"
-                reasons[st.step_id] = f"stale: {lag} behind {current.name} (max {cfg.max_version_lag})"
-            samples = build_samples(fresh, mode=cfg.samples, turn_discount=cfg.turn_discount, max_len=cfg.max_len)
+                reasons[st.step_id] = f"stale: {lag} behind {current.name} (max {train.max_version_lag})"
+            samples = build_samples(fresh, mode=train.samples, turn_discount=train.turn_discount, max_len=train.max_len)
             used = {i for smp in samples for i in smp.step_ids}
             for st in fresh:
                 if st.step_id not in used:
-                    reasons[st.step_id] = f"no trainable token within max_len={cfg.max_len}"
+                    reasons[st.step_id] = f"no trainable token within max_len={train.max_len}"
             lease.skip(s, reasons)
         self.leased = sorted(used)
         if stale:
-            log.info("skipped %d stale steps (more than %d versions behind)", len(stale), cfg.max_version_lag)
+            log.info("skipped %d stale steps (more than %d versions behind)", len(stale), train.max_version_lag)
         if not samples:
             return Plan(kind="wait", n_stale=len(stale), message="every leased step was skipped")
-        samples = session_weights(samples, cfg.weighting)
+        samples = session_weights(samples, train.weighting)
         advantages = group_advantages([x.reward for x in samples], [x.group for x in samples],
-                                      normalize_std=cfg.normalize_std, sessions=[x.session_id for x in samples],
+                                      normalize_std=bool(train.normalize_std), sessions=[x.session_id for x in samples],
                                       sizes=[len(x.step_ids) for x in samples])
         with self.factory() as s:
             kl_ref = reference_checkpoint(s, cfg.ppo, current)
@@ -267,7 +254,7 @@ class Controller:
         problem = non_finite(state, stats)
         if problem is None:
             self.display.phase(f"writing checkpoint {name}")
-            write_checkpoint(state, base_dir=base_dir, out_dir=out, dtype=cfg.save_dtype)
+            write_checkpoint(state, base_dir=base_dir, out_dir=out, dtype=cfg.train.save_dtype)
 
         lineage = [
             LineageRow(step_id=i, session_id=plan.session_of[i], reward=smp.reward, advantage=adv)
@@ -276,7 +263,7 @@ class Controller:
         ]
         metrics = {**stats, "steps": plan.n_steps, "checkpoint": str(out), "samples": len(plan.samples), "stale": plan.n_stale,
                    "exact_steps": plan.n_steps - plan.n_onpolicy_steps, "onpolicy_steps": plan.n_onpolicy_steps,
-                   "trained_from": plan.version_name, "sample_mode": cfg.samples, **plan.counts}
+                   "trained_from": plan.version_name, "sample_mode": cfg.train.samples, **plan.counts}
         version_id, name = swap.register_candidate(
             self.factory, name=name, checkpoint=str(out), parent_id=plan.version_id, run_id=self.run_id,
             lineage=lineage, owner=cfg.owner, metrics=_jsonable(metrics),
@@ -295,7 +282,8 @@ class Controller:
             self.display.phase(f"swapping to {name}")
             outcome = publish_version(cfg, state, base_dir, out, functools.partial(  # disk, or NCCL as well
                 swap.request_swap, self.factory, proxy_url=cfg.proxy_url, proxy_key=cfg.proxy_key, version_id=version_id,
-                name=name, checkpoint=str(out), parent=plan.version_id, timeout_s=cfg.swap_timeout_s))
+                name=name, checkpoint=str(out), parent=plan.version_id, timeout_s=cfg.swap_timeout_s),
+                save_dtype=cfg.train.save_dtype)
         metrics.update(version=name, swap_status=outcome.status, swap_seconds=outcome.seconds,
                        swap_error=outcome.error)
         with self.factory() as s, s.begin():
@@ -374,11 +362,11 @@ class Policy:
 
     def resolve_numerics(self, checkpoint: str) -> Profile:
         """The engine's numerics profile, probed by rank 0 against the weights it serves now."""
-        cfg = self.cfg
-        if cfg.dtype != "fp32" or cfg.compute_dtype:
+        cfg, train = self.cfg, self.cfg.train
+        if train.dtype != "fp32" or train.compute_dtype:
             return "fp32"  # emulation needs fp32 compute to round from
         if self.numerics is None:
-            profile = numerics.resolve(cfg.engine_numerics, checkpoint, cfg.engine_url, api_key=cfg.engine_api_key) \
+            profile = numerics.resolve(train.engine_numerics, checkpoint, cfg.engine_url, api_key=cfg.engine_api_key) \
                 if dist.is_main() else None
             self.numerics = dist.broadcast_object(profile)
         return self.numerics
@@ -388,17 +376,17 @@ class Policy:
 
         if self.model is not None and self.version == version:
             return
-        cfg = self.cfg
-        lora = LoraOptions(r=cfg.lora_r, alpha=2 * cfg.lora_r) if cfg.lora_r else None
-        self.model = load_model(checkpoint, dtype=cfg.dtype, grad_checkpointing=cfg.grad_checkpointing, lora=lora,
+        cfg, train = self.cfg, self.cfg.train
+        lora = LoraOptions(r=train.lora_r, alpha=2 * train.lora_r) if train.lora_r else None
+        self.model = load_model(checkpoint, dtype=train.dtype, grad_checkpointing=cfg.grad_checkpointing, lora=lora,
                                 engine_numerics=self.resolve_numerics(checkpoint))
-        shard(self.model, compute_dtype=cfg.compute_dtype)
+        shard(self.model, compute_dtype=train.compute_dtype or None)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
         self.version, self.checkpoint = version, Path(checkpoint)
         # LoRA adapters are merged into each checkpoint and start afresh on load: their moments
         # would belong to adapters that no longer exist.
-        self.resumed = cfg.optimizer_state == "keep" and not cfg.lora_r and load_optimizer_state(
+        self.resumed = train.optimizer_state == "keep" and not train.lora_r and load_optimizer_state(
             self.model, self.optimizer, trainer_state_path(cfg.checkpoints_dir), version=version,
             checkpoint=checkpoint)
         log.info("rank %d: model loaded from %s (%s), optimizer state %s", dist.rank(), checkpoint, version,
@@ -406,7 +394,7 @@ class Policy:
 
     def save_state(self) -> None:
         """The optimizer state of the version now in memory (a collective)."""
-        if self.cfg.optimizer_state == "keep" and not self.cfg.lora_r:
+        if self.cfg.train.optimizer_state == "keep" and not self.cfg.train.lora_r:
             save_optimizer_state(self.model, self.optimizer, trainer_state_path(self.cfg.checkpoints_dir),
                                  version=self.version, checkpoint=str(self.checkpoint))
 
@@ -416,36 +404,37 @@ class Policy:
 
         if self.ref_model is None or self.ref_checkpoint != checkpoint:
             self.ref_model = None  # free the old one first
-            ref = load_model(checkpoint, dtype=self.cfg.dtype, grad_checkpointing=False,
+            train = self.cfg.train
+            ref = load_model(checkpoint, dtype=train.dtype, grad_checkpointing=False,
                              engine_numerics=self.resolve_numerics(checkpoint))
             ref.requires_grad_(False)
-            self.ref_model, self.ref_checkpoint = shard(ref, compute_dtype=self.cfg.compute_dtype), checkpoint
+            self.ref_model, self.ref_checkpoint = shard(ref, compute_dtype=train.compute_dtype or None), checkpoint
         return self.ref_model
 
     def update(self, plan: Plan) -> dict[str, Any]:
-        cfg = self.cfg
+        train, ppo = self.cfg.train, self.cfg.ppo
         mine, my_adv = split_for_ranks(plan.samples, plan.advantages, rank=dist.rank(), world=dist.world_size())
-        mbs = micro_batches(mine, my_adv, pad_id=_pad_id(self.model), max_tokens=cfg.micro_batch_tokens)
+        mbs = micro_batches(mine, my_adv, pad_id=_pad_id(self.model), max_tokens=train.micro_batch_tokens)
         # Every rank must run as many micro-batches for the proximal pass (collectives).
-        if cfg.ppo_epochs > 1:
-            add_proximal_logprobs(self.model, mbs, temperature=cfg.ppo.temperature)
-        if cfg.ppo.kl_coef and plan.kl_ref_checkpoint:
-            add_proximal_logprobs(self.reference(plan.kl_ref_checkpoint), mbs, temperature=cfg.ppo.temperature,
+        if train.ppo_epochs > 1:
+            add_proximal_logprobs(self.model, mbs, temperature=ppo.temperature)
+        if ppo.kl_coef and plan.kl_ref_checkpoint:
+            add_proximal_logprobs(self.reference(plan.kl_ref_checkpoint), mbs, temperature=ppo.temperature,
                                   key="ref_logprobs")
         rewards = [x.reward for x in plan.samples]
         stats: dict[str, Any] = {}
-        for _ in range(cfg.ppo_epochs):
-            stats = train_step(self.model, self.optimizer, mbs, cfg.ppo, rewards=rewards)
+        for _ in range(train.ppo_epochs):
+            stats = train_step(self.model, self.optimizer, mbs, ppo, rewards=rewards)
         stats["optimizer_resumed"] = self.resumed
         return stats
 
 
 def run(cfg: TrainConfig) -> list[UpdateResult]:
-    """Train until stopped (or one update with cfg.once / cfg.max_updates). Returns rank 0's results."""
+    """Train until stopped (or one update with cfg.once / cfg.train.max_updates). Returns rank 0's results."""
     from trainer.checkpoint import gather_full_state_dict
 
     rank, _world = dist.init()
-    torch.manual_seed(cfg.seed + rank)
+    torch.manual_seed(cfg.train.seed + rank)
     ctl = Controller(cfg) if rank == 0 else None
     policy = Policy(cfg)
     results: list[UpdateResult] = []
@@ -472,12 +461,12 @@ def run(cfg: TrainConfig) -> list[UpdateResult]:
             if result.status == VersionStatus.serving:
                 policy.version = result.version  # the weights in memory are the serving ones now
                 policy.checkpoint = Path(result.metrics["checkpoint"])
-                policy.resumed = cfg.optimizer_state == "keep"  # the next update continues this state
+                policy.resumed = cfg.train.optimizer_state == "keep"  # the next update continues this state
                 policy.save_state()  # collective: a later --once run resumes it
             else:
                 policy.version = None  # reload the serving version next time
             update += 1
-            if cfg.once or (cfg.max_updates is not None and update >= cfg.max_updates):
+            if cfg.once or (cfg.train.max_updates and update >= cfg.train.max_updates):
                 break
         status = "finished"
     finally:

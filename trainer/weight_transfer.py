@@ -181,13 +181,12 @@ class PublishConfig(Protocol):
     weight_transfer: str  # disk | nccl
     engine_url: str | None
     engine_api_key: str | None
-    save_dtype: str
 
 
 def publish_version(cfg: PublishConfig, state: Mapping[str, torch.Tensor], base_dir: Path, checkpoint: Path,
-                    request: Callable[[], Any]) -> Any:
-    """The trainer's publish step: `request()` alone (disk), or with
-    the weights broadcast when `cfg.weight_transfer` is nccl and the engine's group can be joined."""
+                    request: Callable[[], Any], *, save_dtype: str) -> Any:
+    """The trainer's publish step: `request()` alone (disk), or with the weights (as `save_dtype`,
+    the checkpoint's) broadcast when `cfg.weight_transfer` is nccl and the engine's group can be joined."""
     if cfg.weight_transfer != "nccl" or not cfg.engine_url:
         return request()
     from trainer.checkpoint import prepared_state
@@ -202,4 +201,4 @@ def publish_version(cfg: PublishConfig, state: Mapping[str, torch.Tensor], base_
             log.warning("weight transfer group not joined (%s): the engine reloads from disk", sender.refused)
     if not sender.connected:
         return request()
-    return publish(sender, prepared_state(dict(state), base_dir, cfg.save_dtype), checkpoint, request)
+    return publish(sender, prepared_state(dict(state), base_dir, save_dtype), checkpoint, request)

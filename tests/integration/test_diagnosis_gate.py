@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from proxy.config import Settings
+from proxy.config import Settings, TrainSettings
 from proxy.evolve.diagnose import diagnose
 from proxy.evolve.rules import Rules
 from proxy.store import db
@@ -20,14 +20,14 @@ from tests.proxy_fixtures import all_trainable
 from trainer import lease
 from trainer.gate import DiagnosisGate
 from trainer.loop import TrainConfig, run
-from trainer.loss import PPOOptions
 from trainer.main import diagnosis_gate
 
 
 def _cfg(url: str, proxy, home: Path, gate: DiagnosisGate | None) -> TrainConfig:
-    opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
+    # ratio masks off: the fake's logprobs are made up
+    train = TrainSettings(lr=1e-3, ratio_mask_low=0.0, ratio_mask_high=float("inf"))
     return TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key",
-                       checkpoints_dir=home / "checkpoints", once=True, lr=1e-3, ppo=opts, gate=gate,
+                       checkpoints_dir=home / "checkpoints", once=True, train=train, gate=gate,
                        policies=all_trainable())
 
 

@@ -22,12 +22,12 @@ import pytest
 from sqlalchemy import select, text
 
 from proxy import cli
+from proxy.config import TrainSettings
 from proxy.governance.policies import Policies
 from proxy.store import tables as t
 from proxy.store.holdout import held_out
 from trainer import lease
 from trainer.loop import TrainConfig, run
-from trainer.loss import PPOOptions
 
 ADMIN = {"authorization": "Bearer admin-test-key"}
 
@@ -106,8 +106,8 @@ def test_trainer_version_passes_the_replay_gate_and_its_card_tells_its_story(
         lease.release(s, leased, owner="probe")
 
     cfg = TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key", policies=policies,
-                      checkpoints_dir=tmp_path / "checkpoints", once=True, lr=1e-3,
-                      ppo=PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf")))  # the fake's logprobs are made up
+                      checkpoints_dir=tmp_path / "checkpoints", once=True,  # ratio masks off: the fake's logprobs are made up
+                      train=TrainSettings(lr=1e-3, ratio_mask_low=0.0, ratio_mask_high=float("inf")))
     (result,) = run(cfg)
     assert result.status == "serving" and result.version == "v1"
     with factory() as s:

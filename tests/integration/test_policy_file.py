@@ -11,7 +11,7 @@ import openai
 from proxy.config import read_settings
 from proxy.store import tables as t
 from trainer import lease
-from trainer.main import FLAG_FIELDS, train_config
+from trainer.main import train_config
 
 ADMIN = {"authorization": "Bearer admin-test-key"}
 POLICY_FILE = """
@@ -65,7 +65,7 @@ def test_the_trainer_refuses_steps_of_a_tenant_without_consent(start_proxy, fake
 
     # The trainer runs in production with the policy file: this tenant has no table, so no consent.
     settings = read_settings(_env(tmp_path, db_url))
-    args = argparse.Namespace(once=True, **{f.removeprefix("train_"): getattr(settings, f) for f in FLAG_FIELDS})
+    args = argparse.Namespace(once=True, proxy_url=None)  # no flag: the trainer settings are the settings
     policies = train_config(args, settings).policies
     assert policies.base("acme").training_consent and not policies.base(proxy.tenant).training_consent
     with factory() as s, s.begin():

@@ -18,12 +18,12 @@ import openai
 import pytest
 from sqlalchemy import select
 
+from proxy.config import TrainSettings
 from proxy.governance.policies import Policies
 from proxy.store import tables as t
 from tests.proxy_fixtures import all_trainable
 from trainer import lease
 from trainer.loop import TrainConfig, run
-from trainer.loss import PPOOptions
 
 ADMIN = {"authorization": "Bearer admin-test-key"}
 
@@ -129,8 +129,8 @@ def test_rewards_lag_and_stale_marking(start_proxy, fake_upstream, own_db, tiny_
     assert lease.version_lag(["nope"], ranks, "v2") == lease.UNKNOWN_LAG
 
     cfg = TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key="admin-test-key",
-                      checkpoints_dir=Path("/nonexistent"), once=True, max_version_lag=1, lease_ttl_s=0.0,
-                      policies=all_trainable())
+                      checkpoints_dir=Path("/nonexistent"), once=True,
+                      train=TrainSettings(max_version_lag=1, lease_ttl_s=0.0), policies=all_trainable())
     time.sleep(0.05)  # T's lease (ttl 60) is still live: release it first
     with factory() as s, s.begin():
         lease.release(s, ids, owner="T")
@@ -162,11 +162,11 @@ def _trainer_key(url: str) -> str:
         engine.dispose()
 
 
-def _cfg(url, proxy, home: Path, **kw) -> TrainConfig:
-    opts = PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"))  # the fake's logprobs are made up
+def _cfg(url, proxy, home: Path, **settings) -> TrainConfig:
+    # ratio masks off: the fake's logprobs are made up
+    train = TrainSettings(**{"lr": 1e-3, "ratio_mask_low": 0.0, "ratio_mask_high": float("inf"), **settings})
     return TrainConfig(database_url=url, proxy_url=proxy.url, proxy_key=_trainer_key(url),
-                       checkpoints_dir=home / "checkpoints", once=True,
-                       **{"lr": 1e-3, "ppo": opts, "policies": all_trainable(), **kw})
+                       checkpoints_dir=home / "checkpoints", once=True, train=train, policies=all_trainable())
 
 
 def test_once_trains_registers_lineage_and_swaps(start_proxy, fake_upstream, own_db, tiny_dir, tmp_path):
@@ -200,6 +200,7 @@ def test_once_trains_registers_lineage_and_swaps(start_proxy, fake_upstream, own
         assert all(st.trained_version_id == v.id and st.lease_owner is None for st in steps)
         run_row = s.get(t.TrainingRun, v.training_run_id)
         assert run_row.status == "finished" and run_row.ended_at is not None
+        assert run_row.config["train"]["lr"] == 1e-3 and run_row.config["once"] is True
         (upd,) = s.scalars(select(t.TrainingUpdate).where(t.TrainingUpdate.run_id == run_row.id)).all()
         for key in ("reward_mean", "reward_std", "loss", "clip_frac", "masked_frac", "mean_abs_logp_diff",
                     "tokens_per_s"):
@@ -274,8 +275,7 @@ def test_optimizer_state_resumes_across_once_runs_and_kl_to_base(start_proxy, fa
     proxy = _proxy(start_proxy, fake_upstream, url, factory, tiny_dir)
     for round_ in range(2):
         _rewarded_sessions(proxy, f"r{round_}-", 3, task="t")
-        kw = {"ppo": PPOOptions(ratio_mask_low=0.0, ratio_mask_high=float("inf"), kl_coef=0.1, kl_ref="base")} \
-            if round_ else {}
+        kw = {"kl_coef": 0.1, "kl_ref": "base"} if round_ else {}
         (result,) = run(_cfg(url, proxy, tmp_path, optimizer_state="keep", **kw))
         m = result.metrics
         assert result.status == "serving" and m["optimizer_resumed"] is bool(round_)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from proxy.config import Settings, load_settings, read_settings
+from proxy.config import Settings, TrainSettings, load_settings, read_settings
 
 
 def test_variables_keep_their_names_and_meanings(tmp_path):
@@ -21,7 +21,7 @@ def test_variables_keep_their_names_and_meanings(tmp_path):
     assert s.upstream_urls == ["http://a:1", "http://b:2"]
     assert (s.port, s.open_mode, s.production, s.policy_file) == (9001, True, True, tmp_path / "p.toml")
     assert (s.writer_mode, s.otel_exporter, s.max_body_bytes) == ("thread", "console", 1024)
-    assert (s.train_lr, s.proxy_url, s.vllm_python) == (3e-6, "http://proxy:8700", "/x/python")
+    assert (s.train.lr, s.proxy_url, s.vllm_python) == (3e-6, "http://proxy:8700", "/x/python")
 
 
 def test_empty_variables_mean_unset_and_defaults_hold():
@@ -41,6 +41,35 @@ def test_the_toml_file_mirrors_the_variables_and_the_environment_wins(tmp_path):
 def test_bad_values_fail_loudly():
     with pytest.raises(ValidationError):
         read_settings({"ATDP_PORT": "eighty"})
+
+
+def test_the_trainers_settings_are_one_section_under_their_flat_names(tmp_path):
+    """ATDP_TRAIN_<NAME>, and train_<name> in the TOML file (or <name> in its [train] table), are
+    settings.train.<name>: the environment over the file, a flat key over the table. Other
+    ATDP_TRAIN_* variables (docker-compose's ATDP_TRAIN_NPROC) are not settings and stay ignored."""
+    config = tmp_path / "atdp.toml"
+    config.write_text('train_lr = 2e-5\ntrain_samples = "step"\ntrain_seed = 3\n'
+                      '[train]\nmax_steps = 64\nseed = 9\nkl_ref = "base"\n')
+    s = read_settings({"ATDP_CONFIG": str(config), "ATDP_TRAIN_SEED": "5", "ATDP_TRAIN_KL_COEF": "0.1",
+                       "ATDP_TRAIN_NPROC": "4", "ATDP_TRAIN_MAX_LEN": ""})
+    assert s.train == TrainSettings(lr=2e-5, samples="step", max_steps=64, seed=5, kl_ref="base", kl_coef=0.1)
+    assert s.train.max_len == 4096  # empty: the default
+    assert read_settings({}).train == TrainSettings() and Settings().train == TrainSettings()
+    assert read_settings({"ATDP_TRAIN_LR": "3e-5"}).train.lr == 3e-5
+    with pytest.raises(ValidationError):
+        s.train.lr = 1.0  # frozen: the flags make a new one (trainer.main.train_settings)
+
+
+def test_a_bad_trainer_setting_is_refused_under_its_own_name(tmp_path):
+    with pytest.raises(ValidationError, match=r"ATDP_TRAIN_LR \(train_lr\): Input should be a valid number"):
+        read_settings({"ATDP_TRAIN_LR": "fast"})
+    config = tmp_path / "atdp.toml"
+    config.write_text('train_samples = "concat"\n')
+    with pytest.raises(ValidationError, match=r"ATDP_TRAIN_SAMPLES \(train_samples\): Input should be 'step' or"):
+        read_settings({"ATDP_CONFIG": str(config)})
+    config.write_text('[train]\nlearning_rate = 1e-5\n')
+    with pytest.raises(ValidationError, match=r"\[train\] learning_rate: not a trainer setting"):
+        read_settings({"ATDP_CONFIG": str(config)})
 
 
 def test_the_secret_is_created_once_per_home(tmp_path):

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from proxy.config import TrainSettings
 from tests.trainer_tiny import build_tiny_llama
 from trainer.batch import StepTokens, build_samples
 from trainer.checkpoint import TRAINER_STATE_DIR, load_optimizer_state, trainer_state_path
-from trainer.loop import Plan, Policy, TrainConfig, non_finite
+from trainer.loop import Plan, Policy, TrainConfig, non_finite, ppo_options
 from trainer.loss import PPOOptions, group_advantages
 
 
@@ -26,8 +27,9 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def _cfg(home: Path, lr: float = 1e-3) -> TrainConfig:
-    return TrainConfig(database_url="", proxy_url="", proxy_key=None, checkpoints_dir=home / "checkpoints",
-                       engine_numerics="fp32", optimizer_state="keep", lr=lr, ppo=PPOOptions(ratio_mask_low=0.0, ratio_mask_high=math.inf))
+    train = TrainSettings(engine_numerics="fp32", optimizer_state="keep", lr=lr, ratio_mask_low=0.0,
+                          ratio_mask_high=math.inf)
+    return TrainConfig(database_url="", proxy_url="", proxy_key=None, checkpoints_dir=home / "checkpoints", train=train)
 
 
 def _plan(version: str, checkpoint: Path) -> Plan:
@@ -105,8 +107,8 @@ def test_every_loss_option_is_an_atdp_train_flag(monkeypatch, tmp_path):
     assert args.func(args) == 3
     cfg = seen[-1]
     assert cfg.ppo.kl_mask is None and cfg.ppo.kl_coef == 0.3 and cfg.ppo.kl_ref == "behaviour"
-    assert cfg.weighting == "token" and cfg.normalize_std and cfg.ppo.temperature == 1.0
-    assert cfg.optimizer_state == "fresh"
+    assert cfg.train.weighting == "token" and cfg.train.normalize_std and cfg.ppo.temperature == 1.0
+    assert cfg.train.optimizer_state == "fresh"
 
     args = parser.parse_args(["train", "--once", "--kl-mask", "0.05", "--kl-coef", "0.1", "--kl-ref", "base",
                               "--weighting", "session", "--normalize-std", "0", "--temperature", "0.7",
@@ -114,9 +116,9 @@ def test_every_loss_option_is_an_atdp_train_flag(monkeypatch, tmp_path):
     args.func(args)
     cfg = seen[-1]
     assert (cfg.ppo.kl_mask, cfg.ppo.kl_coef, cfg.ppo.kl_ref, cfg.ppo.temperature) == (0.05, 0.1, "base", 0.7)
-    assert cfg.weighting == "session" and cfg.normalize_std is False and cfg.optimizer_state == "keep"
+    assert cfg.train.weighting == "session" and cfg.train.normalize_std == 0 and cfg.train.optimizer_state == "keep"
     # every PPOOptions field has a flag
-    flags = {main._flag(field) for field in main.FLAG_FIELDS}
+    flags = {main._flag(name) for name in TrainSettings.model_fields}
     for name, flag in {"clip_eps_low": "--clip-low", "clip_eps_high": "--clip-high", "kl_mask": "--kl-mask",
                        "ratio_mask_low": "--ratio-mask-low", "ratio_mask_high": "--ratio-mask-high",
                        "temperature": "--temperature", "max_grad_norm": "--max-grad-norm", "kl_coef": "--kl-coef",
@@ -146,8 +148,8 @@ def test_samples_flag_and_config_file(monkeypatch, tmp_path, capsys):
         args.func(args)
         return seen[-1]
 
-    assert (train().samples, train().turn_discount) == ("step", 0.5)  # from the config file
-    assert train("--samples", "trajectory", "--turn-discount", "1").samples == "trajectory"
+    assert (train().train.samples, train().train.turn_discount) == ("step", 0.5)  # from the config file
+    assert train("--samples", "trajectory", "--turn-discount", "1").train.samples == "trajectory"
     with pytest.raises(SystemExit, match="turn-discount"):  # a trajectory has one reward for every turn
         train("--samples", "trajectory")
     with pytest.raises(SystemExit):  # the setting's Literal values are the flag's choices
@@ -157,12 +159,52 @@ def test_samples_flag_and_config_file(monkeypatch, tmp_path, capsys):
     with pytest.raises(Exception, match="train_samples"):
         train()
     with pytest.raises(ValueError, match="turn_discount"):
-        TrainConfig(database_url="x", proxy_url="x", proxy_key=None, checkpoints_dir=tmp_path, turn_discount=0.5)
+        TrainConfig(database_url="x", proxy_url="x", proxy_key=None, checkpoints_dir=tmp_path,
+                    train=TrainSettings(turn_discount=0.5))
+
+
+def test_variables_file_and_flags_land_in_the_train_config(monkeypatch, tmp_path):
+    """One definition (proxy.config.TrainSettings): ATDP_TRAIN_* over the TOML file's train_* keys,
+    flags over both, and all of it is `TrainConfig.train`; a bad variable is refused by name."""
+    import argparse
+
+    from pydantic import ValidationError
+
+    import trainer.loop
+    from trainer import main
+
+    (tmp_path / "atdp.toml").write_text('train_max_steps = 64\ntrain_kl_ref = "base"\ntrain_lora_r = 4\n')
+    monkeypatch.setenv("ATDP_HOME", str(tmp_path))
+    monkeypatch.setenv("ATDP_CONFIG", str(tmp_path / "atdp.toml"))
+    for name in [k for k in os.environ if k.startswith("ATDP_TRAIN_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ATDP_TRAIN_LR", "3e-5")
+    monkeypatch.setenv("ATDP_TRAIN_MAX_STEPS", "128")  # the environment wins over the file
+    seen: list[TrainConfig] = []
+    monkeypatch.setattr(trainer.loop, "run", lambda cfg: seen.append(cfg) or [])
+
+    def train(*flags: str) -> TrainConfig:
+        parser = argparse.ArgumentParser()
+        main.register(parser.add_subparsers())
+        args = parser.parse_args(["train", "--once", *flags])
+        args.func(args)
+        return seen[-1]
+
+    cfg = train("--seed", "7")
+    assert cfg.train == TrainSettings(lr=3e-5, max_steps=128, kl_ref="base", lora_r=4, seed=7)
+    assert cfg.ppo.kl_ref == "base" and cfg.once
+    cfg = train("--lr", "1e-4", "--max-steps", "16", "--kl-ref", "behaviour", "--max-grad-norm", "0")
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.train.lora_r) == (1e-4, 16, 4)
+    assert cfg.ppo.kl_ref == "behaviour" and cfg.ppo.max_grad_norm is None  # 0: off
+    monkeypatch.setenv("ATDP_TRAIN_MAX_STEPS", "many")
+    with pytest.raises(ValidationError, match=r"ATDP_TRAIN_MAX_STEPS \(train_max_steps\)"):
+        train()
 
 
 def test_the_trainers_defaults_are_its_settings_defaults(monkeypatch, tmp_path):
-    """`atdp train` with no flag and no setting runs what `TrainConfig()` and `PPOOptions()` say: a
-    default changed in one place and not the other fails here."""
+    """`atdp train` with no flag and no setting runs what `TrainConfig()` and `PPOOptions()` say: the
+    settings' defaults are TrainSettings', and PPOOptions' own defaults (the loss's, used by the
+    benchmarks) must be what TrainSettings' give."""
     import argparse
     import dataclasses
 
@@ -182,4 +224,5 @@ def test_the_trainers_defaults_are_its_settings_defaults(monkeypatch, tmp_path):
     differ = {f.name: (getattr(cfg, f.name), getattr(plain, f.name)) for f in dataclasses.fields(TrainConfig)
               if f.name not in from_elsewhere and getattr(cfg, f.name) != getattr(plain, f.name)}
     assert differ == {}
-    assert cfg.ppo == PPOOptions()
+    assert cfg.train == TrainSettings() and cfg.ppo == PPOOptions() == ppo_options(TrainSettings())
+    assert cfg.gate is None

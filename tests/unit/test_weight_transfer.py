@@ -128,14 +128,14 @@ class Cfg:
     weight_transfer: str = "nccl"
     engine_url: str | None = "http://127.0.0.1:9"  # nothing listens: joining fails
     engine_api_key: str | None = None
-    save_dtype: str = "fp32"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
 def test_without_a_gpu_the_trainer_publishes_through_the_disk_and_leaves_no_declaration(tmp_path):
     asked = []
     for cfg in (Cfg(weight_transfer="disk"), Cfg()):
-        result = wt.publish_version(cfg, {"w": torch.zeros(2)}, tmp_path, tmp_path, lambda: asked.append(1) or "posted")
+        result = wt.publish_version(cfg, {"w": torch.zeros(2)}, tmp_path, tmp_path, lambda: asked.append(1) or "posted",
+                                    save_dtype="fp32")
         assert result == "posted"
     assert len(asked) == 2 and not (tmp_path / wt.TRANSFER_FILE).exists()
     sender = wt._senders["http://127.0.0.1:9"]
