@@ -23,6 +23,7 @@ from atdp_schema.models import (
     TokenSource,
     VersionStatus,
 )
+from atdp_schema.record import StepFields
 
 
 @cache
@@ -33,6 +34,6 @@ def json_schema() -> dict:
 
 __all__ = [
     "ATDP_VERSION", "Action", "Document", "Eligibility", "Feedback", "FeedbackSource", "Governance",
-    "Message", "ModelVersion", "Observation", "Session", "SessionStatus", "Step", "StepStatus",
+    "Message", "ModelVersion", "Observation", "Session", "SessionStatus", "Step", "StepFields", "StepStatus",
     "TokenRecord", "TokenSource", "VersionStatus", "json_schema",
 ]

@@ -17,11 +17,11 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import orjson
 
+from atdp_schema.record import StepFields
 from proxy.translate.chunks import Chunk, read_chunk, read_completion
 
 
@@ -144,14 +144,13 @@ class SessionRef:
     task_id: str | None = None
 
 
-@dataclass
-class CapturedStep:
+@dataclass(kw_only=True)
+class CapturedStep(StepFields):
+    """The raw call: the fields every form of a step shares (atdp_schema.record.StepFields) and what
+    redaction turns into contents, hashes and the token decision."""
+
     step_id: str
     session: SessionRef
-    api: str
-    started_at: datetime
-    parent_step_id: str | None
-    history_len: int
     system: Any | None  # raw system prompt (content-addressed on write)
     tools: Any | None  # raw tool schema list
     new_messages: list[Any]  # raw, in the client's API shape
@@ -162,38 +161,19 @@ class CapturedStep:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     output_logprobs: Sequence[float]
-    finish_reason: str | None
-    status: str  # ok | error | aborted
     error: dict[str, Any] | None
-    upstream: str | None
-    model: str | None
-    model_version: str | None
-    ttft_ms: float | None
-    total_ms: float | None
-    prompt_tokens: int
-    completion_tokens: int
-    transcript_hash: str | None
     client_info: dict[str, Any] = field(default_factory=dict)
-    replay_of: str | None = None
     # Fields of history messages that a chat template renders but the continuation key ignores
     # (`name`, `reasoning_content`): raw, scanned by the writer so token ids never carry them unseen.
     history_extras: list[dict[str, Any]] = field(default_factory=list)
     # A provider call (the routing table's LiteLLM model): no engine ids, supervised use only.
     provider: str | None = None
-    cost: float | None = None  # from LiteLLM's cost map, for provider calls
     # The weight version of each output token as the engine reported it (vLLM's WeightVersionSpan on
     # its token-in-token-out path); None when the engine did not say.
     output_versions: list[str] | None = None
     # (before, after): a keep-mode swap overlapped the call and the engine did not report versions,
     # so each token came from one of the two (proxy.upstream.Lease.window).
     version_window: tuple[str, str] | None = None
-    # How the prompt was built: "tito" (the parent's exact ids + the new turn, proxy.tito),
-    # "rendered" (the engine rendered the client's messages), None (a provider call).
-    prompt_path: str | None = None
-    # The layers the call was sent with (proxy.layers): harness and memory version ids, retrieved facts.
-    harness_version: str | None = None
-    memory_version: str | None = None
-    memory_facts: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = compact_ids(self.prompt_token_ids)

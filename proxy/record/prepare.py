@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from atdp_schema.models import TokenSource
+from atdp_schema.record import step_fields
 from proxy.governance.policy import TenantPolicy, decide_eligibility
 from proxy.governance.redaction import TextRedactor, elide_echoes
 from proxy.governance.tokens import TokenDecision, TokenGuard
@@ -102,20 +103,15 @@ def step_record(st: CapturedStep, *, session: SessionInfo, refs: dict[str, Any],
     """The record of one captured call, from what preparing it decided (pure). `params` and `error`:
     their redacted forms (the captured ones are raw)."""
     return StepRecord(
-        id=st.step_id, session=session, api=st.api, status=st.status, started_at=st.started_at,
-        parent_step_id=st.parent_step_id, error=error, upstream=st.upstream, model=st.model,
-        model_version=st.model_version, system_hash=refs["system"], tools_hash=refs["tools"],
-        history_len=st.history_len, message_hashes=refs["messages"] if message_hashes is None else message_hashes,
-        params=params if params is not None else {}, transcript_hash=st.transcript_hash, output_hash=refs["output"], contents=contents,
+        **step_fields(st), id=st.step_id, session=session, error=error, system_hash=refs["system"],
+        tools_hash=refs["tools"], message_hashes=refs["messages"] if message_hashes is None else message_hashes,
+        params=params if params is not None else {}, output_hash=refs["output"], contents=contents,
         tool_calls=tool_calls,
         tool_results=[ToolResultRow(call_id=r.call_id, result_hash=h, is_error=r.is_error) for r, h in refs["results"]],
         token_source=tokens.source, prompt_prefix_len=prefix_len, prompt_token_ids=tokens.prompt_ids[prefix_len:],
         output_token_ids=tokens.output_ids, output_logprobs=tokens.logprobs, output_versions=rle(tokens.versions),
-        output_mask=tokens.output_mask, prompt_path=st.prompt_path, finish_reason=st.finish_reason, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
-        prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens, redaction=redaction,
-        eligibility=eligibility, eligibility_reason=reason, retention_until=retention, replay_of=st.replay_of,
-        cost=st.cost, harness_version=st.harness_version, memory_version=st.memory_version,
-        memory_facts=st.memory_facts,
+        output_mask=tokens.output_mask, redaction=redaction, eligibility=eligibility, eligibility_reason=reason,
+        retention_until=retention,
     )
 
 

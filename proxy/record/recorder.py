@@ -23,6 +23,7 @@ from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
 from atdp_schema.models import Eligibility, TokenSource
+from atdp_schema.record import step_fields
 from proxy.governance.policy import TenantPolicy
 from proxy.governance.redaction import TextRedactor
 from proxy.governance.tokens import TokenGuard, load_codec
@@ -242,15 +243,13 @@ class Recorder:
             except Exception as e:
                 self.stats["errors"] += 1
                 out.append(StepRecord(
-                    id=st.step_id, session=SessionInfo(tenant_id=st.session.tenant, external_id=st.session.external_id,
-                                                       client=st.session.client, task_id=st.session.task_id),
-                    api=st.api, status=st.status, started_at=st.started_at, parent_step_id=st.parent_step_id,
+                    **step_fields(st), id=st.step_id,
+                    session=SessionInfo(tenant_id=st.session.tenant, external_id=st.session.external_id,
+                                        client=st.session.client, task_id=st.session.task_id),
                     # Unredacted, so only the error's type and status, never its message.
                     error={k: st.error.get(k) for k in ("type", "status_code")} if st.error else None,
-                    upstream=st.upstream, model=st.model, model_version=st.model_version,
-                    history_len=st.history_len, token_source=TokenSource.dropped, ttft_ms=st.ttft_ms, total_ms=st.total_ms,
-                    prompt_tokens=st.prompt_tokens, completion_tokens=st.completion_tokens,
-                    eligibility=Eligibility.quarantined, eligibility_reason=f"redaction failed: {type(e).__name__}",
+                    token_source=TokenSource.dropped, eligibility=Eligibility.quarantined,
+                    eligibility_reason=f"redaction failed: {type(e).__name__}",
                 ))
         return out
 

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from atdp_schema.models import Eligibility
+from atdp_schema.record import StepFields
 
 
 @dataclass
@@ -50,24 +51,19 @@ class SessionInfo:
     replay_of: str | None = None  # internal id of the original session
 
 
-@dataclass
-class StepRecord:
+@dataclass(kw_only=True)
+class StepRecord(StepFields):
+    """A redacted step: the fields every form of a step shares (atdp_schema.record.StepFields) and what
+    preparing it decided. Its fields, but for the session and the rows of other tables, are the `steps`
+    columns (proxy.store.write.STEP_COLUMNS)."""
+
     id: str
     session: SessionInfo
-    api: str
-    status: str
-    started_at: datetime
-    parent_step_id: str | None = None
     error: dict[str, Any] | None = None
-    upstream: str | None = None
-    model: str | None = None
-    model_version: str | None = None
     system_hash: str | None = None
     tools_hash: str | None = None
-    history_len: int = 0
     message_hashes: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
-    transcript_hash: str | None = None
     output_hash: str | None = None
     contents: list[ContentRow] = field(default_factory=list)
     tool_calls: list[ToolCallRow] = field(default_factory=list)
@@ -80,22 +76,11 @@ class StepRecord:
     output_logprobs: Sequence[float] = field(default_factory=list)
     output_versions: list[list[Any]] = field(default_factory=list)  # [[version_id, count], ...]
     output_mask: list[int] | None = None
-    prompt_path: str | None = None  # tito | rendered (proxy.tito); None: a provider call
-    finish_reason: str | None = None
-    ttft_ms: float | None = None
-    total_ms: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost: float | None = None
     redaction: dict[str, int] = field(default_factory=dict)
     eligibility: str = Eligibility.eligible
     eligibility_reason: str = ""
     visibility: str = "tenant"
     retention_until: datetime | None = None
-    replay_of: str | None = None
-    harness_version: str | None = None  # the layers the call was sent with (proxy.layers)
-    memory_version: str | None = None
-    memory_facts: list[str] | None = None  # ids of the facts memory put into its context
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -117,4 +102,6 @@ class StepRecord:
         return cls(**data)
 
 
+# StepRecord fields that are not `steps` columns: the session (its own row) and other tables' rows.
+NOT_COLUMNS = frozenset({"session", "contents", "tool_calls", "tool_results"})
 _ARRAY_FIELDS = ("prompt_token_ids", "output_token_ids", "output_logprobs", "output_mask")

@@ -10,7 +10,7 @@ import base64
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -35,7 +35,7 @@ from proxy.store.copy import (
     timestamp_array,
 )
 from proxy.store.forgets import check_references, lock_tenants
-from proxy.store.records import ContentRow, StepRecord
+from proxy.store.records import NOT_COLUMNS, ContentRow, StepRecord
 from proxy.store.texts import ENCODED_KINDS, escape, refs
 
 log = logging.getLogger("atdp.store")
@@ -161,14 +161,9 @@ LAST_SEQ = """
 SELECT v.sid, coalesce((SELECT max(seq) FROM steps
                           WHERE session_id = v.sid AND session_id BETWEEN :lo AND :hi), 0)
   FROM unnest(CAST(:sids AS text[])) AS v(sid)"""
-STEP_COLUMNS = (
-    "id", "session_id", "tenant_id", "seq", "parent_step_id", "api", "status", "error", "upstream", "model",
-    "model_version", "system_hash", "tools_hash", "history_len", "message_hashes", "transcript_hash", "params",
-    "output_hash", "token_source", "prompt_prefix_len", "prompt_token_ids", "output_token_ids", "output_logprobs",
-    "output_versions", "output_mask", "prompt_path", "finish_reason", "started_at", "ttft_ms", "total_ms", "prompt_tokens",
-    "completion_tokens", "cost", "redaction", "eligibility", "eligibility_reason", "visibility", "retention_until",
-    "replay_of", "harness_version", "memory_version", "memory_facts",
-)
+# The `steps` columns the writer fills: the session's place (id, tenant, seq) and the record's fields.
+STEP_COLUMNS = ("id", "session_id", "tenant_id", "seq",
+                *(f.name for f in fields(StepRecord) if f.name != "id" and f.name not in NOT_COLUMNS))
 
 
 STEP_ARRAYS = frozenset({"message_hashes", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_mask",
@@ -190,18 +185,23 @@ def _text(value: object) -> str | None:
 
 
 def _step_row(r: StepRecord, sid: str, seq: int) -> tuple:
-    """One `steps` row for binary COPY, in STEP_COLUMNS' order (STEP_ARRAYS prebuilt)."""
+    """One `steps` row for binary COPY, in STEP_COLUMNS' order (STEP_ARRAYS prebuilt): the shared fields
+    (atdp_schema.record.StepFields) first, then StepRecord's own. tests/unit/test_step_record.py holds
+    the order to the columns."""
     return (
-        r.id, sid, r.session.tenant_id, _int4(seq), r.parent_step_id, r.api, r.status,
-        jsonb(pg_safe(r.error) if r.error and _has_nul(r.error) else r.error), r.upstream, _text(r.model),
-        _text(r.model_version), r.system_hash, r.tools_hash, _int4(r.history_len), binary_texts(r.message_hashes),
-        r.transcript_hash, jsonb(pg_safe(r.params) if _has_nul(r.params) else r.params), r.output_hash, r.token_source,
-        _int4(r.prompt_prefix_len), binary_int4s(r.prompt_token_ids), binary_int4s(r.output_token_ids),
+        r.id, sid, r.session.tenant_id, _int4(seq),
+        # StepFields
+        r.api, r.status, r.started_at, r.parent_step_id, r.upstream, _text(r.model), _text(r.model_version),
+        _int4(r.history_len), r.transcript_hash, r.prompt_path, _text(r.finish_reason), r.ttft_ms, r.total_ms,
+        _int4(r.prompt_tokens), _int4(r.completion_tokens), r.cost, r.replay_of, r.harness_version, r.memory_version,
+        None if r.memory_facts is None else binary_texts(r.memory_facts),
+        # StepRecord
+        jsonb(pg_safe(r.error) if r.error and _has_nul(r.error) else r.error), r.system_hash, r.tools_hash,
+        binary_texts(r.message_hashes), jsonb(pg_safe(r.params) if _has_nul(r.params) else r.params), r.output_hash,
+        r.token_source, _int4(r.prompt_prefix_len), binary_int4s(r.prompt_token_ids), binary_int4s(r.output_token_ids),
         binary_float4s(r.output_logprobs), jsonb(r.output_versions),
-        None if r.output_mask is None else binary_int4s(r.output_mask), r.prompt_path, _text(r.finish_reason),
-        r.started_at, r.ttft_ms, r.total_ms, _int4(r.prompt_tokens), _int4(r.completion_tokens), r.cost,
-        jsonb(r.redaction), r.eligibility, r.eligibility_reason, r.visibility, r.retention_until, r.replay_of,
-        r.harness_version, r.memory_version, None if r.memory_facts is None else binary_texts(r.memory_facts),
+        None if r.output_mask is None else binary_int4s(r.output_mask), jsonb(r.redaction), r.eligibility,
+        r.eligibility_reason, r.visibility, r.retention_until,
     )
 
 
