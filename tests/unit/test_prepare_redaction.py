@@ -153,3 +153,31 @@ def test_the_record_keeps_the_captured_arrays_and_spools_as_lists(redactor: Reda
     assert data["prompt_token_ids"] == list(b" and more") and data["output_logprobs"] == [0.0, 0.0]
     back = StepRecord.from_json(data)
     assert back.prompt_token_ids == list(b" and more") and back.prompt_prefix_len == rec.prompt_prefix_len
+
+
+def test_a_step_that_cannot_be_redacted_is_quarantined_with_its_shared_fields(redactor: Redactor, tmp_path,
+                                                                              monkeypatch) -> None:
+    """Nothing of its content is kept, but what every form of a step shares (atdp_schema.record) is: the
+    layers it was sent with, its cost, its timings, how its prompt was built."""
+    from atdp_schema.models import Eligibility
+    from proxy.record.recorder import Recorder
+    from proxy.record.spool import Spool
+
+    recorder = Recorder(secret=b"s", factory=None, spool=Spool(tmp_path), redactor=redactor,
+                        policy_for=lambda s, t: TenantPolicy(training_consent=True))
+    st = step(messages=[{"role": "user", "content": f"mail {EMAIL}"}], prompt="hi",
+              error={"type": "server_error", "status_code": 500, "message": f"echo {EMAIL}"})
+    st.harness_version, st.memory_version, st.memory_facts = "h-id", "m-id", ["f1"]
+    st.cost, st.prompt_path, st.replay_of = 0.25, "tito", "s-0"
+
+    def refuse(steps: list) -> list:
+        raise RuntimeError("the redactor is down")
+
+    monkeypatch.setattr(recorder.preparer, "prepare", refuse)
+    [rec] = recorder._prepare_safely([st])
+    assert rec.eligibility == Eligibility.quarantined and rec.token_source == TokenSource.dropped
+    assert rec.eligibility_reason == "redaction failed: RuntimeError"
+    assert (rec.harness_version, rec.memory_version, rec.memory_facts) == ("h-id", "m-id", ["f1"])
+    assert (rec.cost, rec.prompt_path, rec.replay_of, rec.finish_reason, rec.model) == (0.25, "tito", "s-0", "stop", "tiny")
+    assert rec.error == {"type": "server_error", "status_code": 500} and rec.contents == [] and rec.params == {}
+    assert EMAIL not in json.dumps(rec.to_json(), default=str)
