@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from proxy.upstream import make_session
+from proxy.engine import make_session
 
 
 class Forward:

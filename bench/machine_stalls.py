@@ -49,13 +49,17 @@ def answer(base: str, tokens: int, stream: bool) -> None:
 
 
 def swap(base: str, checkpoint: str, name: str) -> None:
+    from proxy.engine import EngineClient
     from proxy.rollout.engine_weights import from_checkpoint, update
     from proxy.upstream import ReplicaPool
 
     async def go() -> None:
-        async with httpx.AsyncClient(timeout=120, trust_env=False) as c:
-            await update(c, ReplicaPool([base]).replicas[0], from_checkpoint(checkpoint, name), headers={},
-                         timeout_s=120, mode="keep")
+        engine = EngineClient(120.0)
+        try:
+            await update(engine, ReplicaPool([base]).replicas[0], from_checkpoint(checkpoint, name), timeout_s=120,
+                         mode="keep")
+        finally:
+            await engine.close()
     asyncio.run(go())
 
 

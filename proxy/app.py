@@ -28,6 +28,7 @@ from proxy.console import routes as console
 from proxy.control import admin, diagnosis, feedback, overview, sessions, versions
 from proxy.doors import chat, messages, models, responses
 from proxy.doors.response_store import ResponseStore
+from proxy.engine import EngineClient
 from proxy.errors import ApiError, error_response, flavor_for_path
 from proxy.evolve.snapshot import DiagnosisCache
 from proxy.governance.ner import NerStatus, ner_status
@@ -48,7 +49,7 @@ from proxy.store import db, partitions
 from proxy.store import tables as t
 from proxy.store.links import LinkStore
 from proxy.store.presence import Presence
-from proxy.upstream import ReplicaPool, make_client, make_session
+from proxy.upstream import ReplicaPool
 
 log = logging.getLogger("atdp.app")
 
@@ -116,8 +117,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state.client = make_client(settings.upstream_timeout_s)
-        state.http = make_session(settings.upstream_timeout_s)
+        state.engine_client = EngineClient(settings.upstream_timeout_s, state.pool.auth_headers)
         recorder.start()
         if ner.available:
             log.info("redaction: names and places by NER model %s", ner.model)
@@ -127,7 +127,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
         if state.routes.has_providers:  # LiteLLM's import takes seconds: not on the first provider call
             tasks.append(asyncio.create_task(_warm_up_providers()))
         if connect_db:
-            threading.Thread(target=_connect_database, args=(state, swaps), name="atdp-db-connect",
+            threading.Thread(target=_connect_database, args=(state, swaps, asyncio.get_running_loop()),
+                             name="atdp-db-connect",
                              daemon=True).start()
             tasks.append(asyncio.create_task(_refresh_keys(state)))
             tasks.append(asyncio.create_task(canary.resume(state, swaps)))
@@ -154,6 +155,8 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
             state.stopping.set()
             for task in tasks:
                 task.cancel()
+            if swaps.starting is not None:  # still waiting for the engines
+                swaps.starting.cancel()
             if swaps.canary_task is not None:  # a canary goes on after a restart (proxy.rollout.canary)
                 swaps.canary_task.cancel()
             for task in [*layer_gates.tasks.values(), *layer_gates.canaries.tasks.values()]:  # likewise
@@ -164,8 +167,7 @@ def create_app(settings: Settings, *, redactor: TextRedactor | None = None, conn
                 await state.links.close()
             if swaps.bus is not None:
                 await swaps.bus.close()
-            await state.client.aclose()
-            await state.http.close()
+            await state.engine_client.close()
             await asyncio.to_thread(store.flush)  # stored responses go to the writer before it drains
             await asyncio.to_thread(recorder.stop)
             if owns_redactor:
@@ -316,9 +318,9 @@ def _warm_index(state: AppState) -> None:
         state.index.add(th, StepLink(step_id=sid, session_id=ext))
 
 
-def _connect_database(state: AppState, swaps: Versions) -> None:
+def _connect_database(state: AppState, swaps: Versions, loop: asyncio.AbstractEventLoop) -> None:
     """Find (or start) the database, migrate it, load keys and warm the index; then the versions'
-    start-up (it talks to the replicas, so on its own thread). Retries in the background."""
+    start-up (it talks to the replicas: a task on the event loop, `loop`). Retries in the background."""
     settings = state.settings
     while True:
         try:
@@ -353,7 +355,7 @@ def _connect_database(state: AppState, swaps: Versions) -> None:
                 state.recorder.connect(url, db.session_factory(state.writer_engine))
             state.load_keys()
             _warm_index(state)
-            threading.Thread(target=swaps.start_up, name="atdp-versions", daemon=True).start()
+            swaps.starting = asyncio.run_coroutine_threadsafe(swaps.start_up(), loop)
             log.info("database ready")
             return
         except Exception as e:

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 import orjson
 from starlette.requests import Request
 
 from proxy import providers, telemetry
 from proxy.auth import Principal, header_map
+from proxy.engine import EngineUnreachable, UpstreamError, UpstreamResponse
 from proxy.errors import ApiError
 from proxy.layers.serving import Applied
 from proxy.providers import ProviderResponse, ProviderRoute
@@ -46,17 +46,7 @@ from proxy.store.ids import new_id
 from proxy.store.links import LinkRow
 from proxy.tito import NoScaleOut, TitoResponse, TitoStream, TitoUnavailable, answer, open_stream
 from proxy.translate import TranslationError
-from proxy.upstream import (
-    Lease,
-    NoReplicaAvailable,
-    Replica,
-    ReplicaFailed,
-    UpstreamError,
-    UpstreamResponse,
-    failover,
-    redact_url_text,
-    upstream_error,
-)
+from proxy.upstream import Lease, NoReplicaAvailable, Replica, ReplicaFailed, failover, upstream_error
 
 # A replica's answer, or a provider's behind the same interface.
 Answer = UpstreamResponse | ProviderResponse | TitoResponse | TitoStream
@@ -206,9 +196,8 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
     if upstream_body.get("stream") and state.settings.stream_interval > 1:
         upstream_body = with_stream_interval(upstream_body, state.settings.stream_interval)
     content = orjson.dumps(upstream_body)
-    headers = {"content-type": "application/json", **state.pool.auth_headers}
-    http = state.http
-    assert http is not None, "the app is not started"
+    engine = state.engine_client
+    assert engine is not None, "the app is not started"
     call.prompt_path = "rendered"
     parent_ids = _tito_parent(call, path, upstream_body)
 
@@ -220,13 +209,13 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
         if parent_ids is not None and state.tokens.may_ask(replica.url):
             try:
                 tito = await (open_stream if upstream_body.get("stream") else answer)(
-                    http, replica.url, headers, upstream_body, parent_ids)
+                    engine, replica.url, upstream_body, parent_ids)
             except NoScaleOut as e:  # not this engine's routes: stop asking it for a while
                 state.tokens.engine_lacks_routes(replica.url)
                 log.warning("%s: %s; continuations render", replica.label, e)
             except TitoUnavailable as e:
                 log.info("step %s renders its prompt: %s", call.step_id, e)
-            except (aiohttp.ClientError, TimeoutError, OSError):
+            except EngineUnreachable:
                 pass  # the chat route below meets the same failure and handles it (failover)
             else:
                 replica.mark_alive()
@@ -234,13 +223,13 @@ async def open_upstream(call: Call, upstream_body: dict[str, Any], *, path: str 
                 call.prompt_path = "tito"
                 return tito
         try:
-            resp = UpstreamResponse(await _post(http, replica.url + path, content, headers))
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            resp = await engine.open(replica.url, path, content)
+        except EngineUnreachable as e:
             state.pool.release(lease)
             replica.mark_dead()
             telemetry.UPSTREAM_FAILURES.labels(replica.label).inc()
-            # aiohttp's messages name the host it tried; never the URL's credentials (`label`).
-            raise ReplicaFailed(f"{replica.label}: {type(e).__name__}: {redact_url_text(str(e))}".rstrip(": ")) from None
+            # The library's messages name the host it tried; never the URL's credentials (`label`).
+            raise ReplicaFailed(f"{replica.label}: {e.kind}: {e.detail}".rstrip(": ")) from None
         if resp.status_code >= 500:
             # The slot is released however the error body's read ends: a read that fails here must
             # not leave the replica counted busy, or its next swap waits for a call that is gone.
@@ -275,25 +264,6 @@ def _tito_parent(call: Call, path: str, body: dict[str, Any]) -> list[int] | Non
     if any(is_output(m) for m in call.new_messages):
         return None  # a model turn the client wrote after the parent's answer: not the parent's tokens
     return call.state.tokens.get(parent.step_id)
-
-
-async def _post(http: aiohttp.ClientSession, url: str, content: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-    """POST, again on a new connection when a pooled one turned out closed before the request went out.
-
-    The engine closes idle keep-alive connections on its own clock (uvicorn: 5 s); a connection the
-    pool hands out just as the engine closes it fails while the body is written, or with no answer at
-    all. Sending again is safe: no client has seen anything, and an engine that did read the request
-    aborts it when its connection drops. A refused connect is not retried (the replica is down: the
-    caller fails over)."""
-    for tries_left in (2, 1, 0):
-        try:
-            return await http.post(url, data=content, headers=headers)
-        except aiohttp.ClientConnectorError:
-            raise
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            if not tries_left:
-                raise
-    raise AssertionError("unreachable")
 
 
 def _note_window(call: Call) -> None:

@@ -31,9 +31,9 @@ from typing import Any
 import orjson
 
 from proxy.config import UpstreamRoute
+from proxy.engine import UpstreamError, public_url, redact_url_text
 from proxy.errors import ApiError
 from proxy.lru import LRU
-from proxy.upstream import UpstreamError, public_url, redact_url_text
 
 # Keys of an OpenAI chat completion (and chunk) that clients and the capture read; LiteLLM adds
 # its own (`provider_specific_fields`, `thinking_blocks`, `citations` ...), which are dropped.

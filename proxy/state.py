@@ -9,8 +9,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
-import httpx
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.requests import Request
@@ -19,6 +17,7 @@ from proxy import telemetry
 from proxy.auth import Principal, active_keys, hash_key, header_map, key_from_headers, lookup_key_hash
 from proxy.canary import CanaryRouter
 from proxy.config import Settings
+from proxy.engine import EngineClient
 from proxy.errors import ApiError
 from proxy.evolve.snapshot import DiagnosisCache
 from proxy.governance.policies import Policies
@@ -47,8 +46,7 @@ class AppState:
     factory: sessionmaker[Session] | None = None  # None until the database is reachable
     engine: Engine | None = None
     writer_engine: Engine | None = None  # thread mode: the in-process writer's own connection
-    client: httpx.AsyncClient | None = None  # control calls (swaps, model listings); set at start-up
-    http: aiohttp.ClientSession | None = None  # model traffic (the hot path); set at start-up
+    engine_client: EngineClient | None = None  # every HTTP call to the engines (proxy.engine); set at start-up
     keys: dict[str, Principal] = field(default_factory=dict)  # sha256(key) -> principal
     misses: dict[str, float] = field(default_factory=dict)  # unknown key hashes, to not hammer the DB
     lookups: dict[str, asyncio.Future[Principal | None]] = field(default_factory=dict)  # key lookups under way

@@ -18,9 +18,9 @@ from starlette.responses import StreamingResponse
 
 from atdp_schema.models import StepStatus
 from proxy.call import Answer, Call, close_upstream, finish, settle
+from proxy.engine import UpstreamError
 from proxy.translate.chunks import Chunk, read_chunk
 from proxy.translate.sse import iter_sse_batches
-from proxy.upstream import UpstreamError
 
 
 class Translator(Protocol):

@@ -36,11 +36,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import aiohttp
 import orjson
 
+from proxy.engine import EngineClient, EngineUnreachable, UpstreamResponse
 from proxy.translate.chunks import error_message
 from proxy.translate.sse import encode_data, iter_sse
+
+RENDER, GENERATE, DERENDER = "/v1/chat/completions/render", "/inference/v1/generate", "/v1/chat/completions/derender"
 
 # How far back from the end of the rendered history the parent's last output token may sit: the
 # template's glue after an end-of-turn token is a newline or two, never a message.
@@ -123,17 +125,16 @@ def continuation_ids(parent_ids: list[int], history_ids: list[int], full_ids: li
     return parent_ids + g + full_ids[len(history_ids) :]
 
 
-async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
-                what: str) -> dict[str, Any]:
-    async with http.post(url, data=orjson.dumps(body), headers=headers) as resp:
-        data = await resp.read()
-        if resp.status in (403, 404) and what.startswith("render"):
-            raise NoScaleOut(f"{what} answered {resp.status}: is vLLM started with --enable-scale-out?")
-        if resp.status != 200:
-            # The engine's message may echo the request: only the status goes into the reason.
-            raise TitoUnavailable(f"{what} answered {resp.status}")
+async def _post(engine: EngineClient, base_url: str, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
+    """One of the scale-out routes, its answer as a JSON object (EngineUnreachable: no answer)."""
+    reply = await engine.post_json(base_url, path, body)
+    if reply.status in (403, 404) and what.startswith("render"):
+        raise NoScaleOut(f"{what} answered {reply.status}: is vLLM started with --enable-scale-out?")
+    if reply.status != 200:
+        # The engine's message may echo the request: only the status goes into the reason.
+        raise TitoUnavailable(f"{what} answered {reply.status}")
     try:
-        parsed = orjson.loads(data)
+        parsed = reply.json()
     except orjson.JSONDecodeError:
         raise TitoUnavailable(f"{what} sent invalid JSON") from None
     if not isinstance(parsed, dict):
@@ -141,8 +142,8 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], hea
     return parsed
 
 
-async def _prepare(http: aiohttp.ClientSession, base_url: str, headers: dict[str, str], body: dict[str, Any],
-                   parent_ids: list[int]) -> tuple[dict[str, Any], list[int], dict[str, Any]]:
+async def _prepare(engine: EngineClient, base_url: str, body: dict[str, Any], parent_ids: list[int]
+                   ) -> tuple[dict[str, Any], list[int], dict[str, Any]]:
     """Render twice and assemble the continuation: (the chat request, the prompt ids, generate's body)."""
     messages = body.get("messages")
     cut = history_cut(messages) if isinstance(messages, list) else None
@@ -153,8 +154,8 @@ async def _prepare(http: aiohttp.ClientSession, base_url: str, headers: dict[str
     history.update(messages=messages[:cut], add_generation_prompt=False, continue_final_message=False)
     # Both renderings at once: they do not depend on each other, and the client waits for both.
     full, hist = await asyncio.gather(
-        _post(http, base_url + "/v1/chat/completions/render", chat, headers, "render"),
-        _post(http, base_url + "/v1/chat/completions/render", history, headers, "render (history)"))
+        _post(engine, base_url, RENDER, chat, "render"),
+        _post(engine, base_url, RENDER, history, "render (history)"))
     full_ids, hist_ids = full.get("token_ids"), hist.get("token_ids")
     if not isinstance(full_ids, list) or not isinstance(hist_ids, list):
         raise TitoUnavailable("render sent no token ids")
@@ -170,23 +171,21 @@ async def _prepare(http: aiohttp.ClientSession, base_url: str, headers: dict[str
     return chat, ids, gen_req
 
 
-async def complete(http: aiohttp.ClientSession, base_url: str, headers: dict[str, str], body: dict[str, Any],
-                   parent_ids: list[int]) -> dict[str, Any]:
+async def complete(engine: EngineClient, base_url: str, body: dict[str, Any], parent_ids: list[int]) -> dict[str, Any]:
     """One chat completion through render -> generate -> derender, shaped as vLLM's chat route answers
     (with `prompt_token_ids`, choice `token_ids` and `logprobs`, plus choice `weight_versions`)."""
-    chat, ids, gen_req = await _prepare(http, base_url, headers, body, parent_ids)
-    gen = await _post(http, base_url + "/inference/v1/generate", gen_req, headers, "generate")
+    chat, ids, gen_req = await _prepare(engine, base_url, body, parent_ids)
+    gen = await _post(engine, base_url, GENERATE, gen_req, "generate")
     cut = StopCut.of(gen_req["sampling_params"])
     shown = for_derender(gen, cut.include) if (gen.get("choices") or [{}])[0].get("token_ids", [0])[:-1] else gen
-    der = await _post(http, base_url + "/v1/chat/completions/derender",
+    der = await _post(engine, base_url, DERENDER,
                       {"generate_response": shown, "prompt_token_ids": ids, "prompt_tokens": len(ids),
-                       "chat_request": chat, "model": body.get("model")}, headers, "derender")
+                       "chat_request": chat, "model": body.get("model")}, "derender")
     return _with_tokens(der, gen, ids, cut)
 
 
-async def answer(http: aiohttp.ClientSession, base_url: str, headers: dict[str, str], body: dict[str, Any],
-                 parent_ids: list[int]) -> TitoResponse:
-    return TitoResponse(await complete(http, base_url, headers, body, parent_ids))
+async def answer(engine: EngineClient, base_url: str, body: dict[str, Any], parent_ids: list[int]) -> TitoResponse:
+    return TitoResponse(await complete(engine, base_url, body, parent_ids))
 
 
 def _with_tokens(der: dict[str, Any], gen: dict[str, Any], ids: list[int], cut: StopCut) -> dict[str, Any]:
@@ -299,18 +298,17 @@ class TitoResponse:
         return None
 
 
-async def open_stream(http: aiohttp.ClientSession, base_url: str, headers: dict[str, str], body: dict[str, Any],
-                      parent_ids: list[int]) -> TitoStream:
+async def open_stream(engine: EngineClient, base_url: str, body: dict[str, Any], parent_ids: list[int]) -> TitoStream:
     """A streamed continuation: generate streams token ids, derender turns each batch of them into a
     chat chunk with the engine's parsers. Returns once the first chunk is ready, so anything that fails
     before then still renders instead (TitoUnavailable)."""
-    chat, ids, gen_req = await _prepare(http, base_url, headers, body, parent_ids)
+    chat, ids, gen_req = await _prepare(engine, base_url, body, parent_ids)
     gen_req.update(stream=True, stream_options={"include_usage": True})
-    resp = await http.post(base_url + "/inference/v1/generate", data=orjson.dumps(gen_req), headers=headers)
-    if resp.status != 200 or not resp.content_type.startswith("text/event-stream"):
-        resp.close()
-        raise TitoUnavailable(f"generate (streamed) answered {resp.status}")
-    stream = TitoStream(http, base_url + "/v1/chat/completions/derender", headers, resp, chat, ids,
+    resp = await engine.open_stream(base_url, GENERATE, gen_req)
+    if resp.status_code != 200 or not resp.headers.get("content-type", "").startswith("text/event-stream"):
+        await resp.aclose(finished=False)
+        raise TitoUnavailable(f"generate (streamed) answered {resp.status_code}")
+    stream = TitoStream(engine, base_url, resp, chat, ids,
                         model=body.get("model"), cut=StopCut.of(gen_req["sampling_params"]))
     try:
         await stream.prime()
@@ -375,11 +373,10 @@ class TitoStream:
 
     status_code = 200
 
-    def __init__(self, http: aiohttp.ClientSession, derender_url: str, headers: dict[str, str],
-                 resp: aiohttp.ClientResponse, chat: dict[str, Any], ids: list[int], *, model: Any,
-                 cut: StopCut) -> None:
+    def __init__(self, engine: EngineClient, base_url: str, resp: UpstreamResponse, chat: dict[str, Any],
+                 ids: list[int], *, model: Any, cut: StopCut) -> None:
         self.headers = {"content-type": "text/event-stream"}
-        self._http, self._url, self._headers, self._resp = http, derender_url, headers, resp
+        self._engine, self._base, self._resp = engine, base_url, resp
         self._chat, self._ids, self._model, self._cut = chat, ids, model, cut
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._held: list[Any] = []
@@ -391,12 +388,14 @@ class TitoStream:
 
     async def _read(self) -> None:
         try:
-            async for payload in iter_sse(self._resp.content.iter_any()):
+            async for payload in iter_sse(self._resp.aiter_raw()):
                 if payload == b"[DONE]":
                     break
                 self._queue.put_nowait(orjson.loads(payload))
             self._queue.put_nowait(_END)
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as e:
+        except EngineUnreachable as e:
+            self._queue.put_nowait(TitoUnavailable(f"generate stream broke: {e.kind}"))
+        except orjson.JSONDecodeError as e:
             self._queue.put_nowait(TitoUnavailable(f"generate stream broke: {type(e).__name__}"))
 
     async def _take(self) -> list[Any]:
@@ -431,7 +430,7 @@ class TitoStream:
         req = {"stream": True, "model": self._model, "generate_chunk": for_derender(gen, self._cut.include),
                "stream_state": self._state,
                "prompt_tokens": len(self._ids), "prompt_token_ids": self._ids, "chat_request": self._chat}
-        der = await _post(self._http, self._url, req, self._headers, "derender (streamed)")
+        der = await _post(self._engine, self._base, DERENDER, req, "derender (streamed)")
         self._state = der.get("stream_state")
         if not isinstance(der.get("chunk"), dict):
             raise TitoUnavailable("derender sent no chunk")
@@ -455,9 +454,9 @@ class TitoStream:
         while not self._ended:
             try:
                 out = await self._step()
-            except (TitoUnavailable, aiohttp.ClientError, TimeoutError) as e:
+            except (TitoUnavailable, EngineUnreachable) as e:
                 self._ended = True
-                reason = str(e) if isinstance(e, TitoUnavailable) else f"derender failed: {type(e).__name__}"
+                reason = str(e) if isinstance(e, TitoUnavailable) else f"derender failed: {e.kind}"
                 yield encode_data({"error": {"message": reason, "type": "upstream_error"}}) + b"data: [DONE]\n\n"
                 return
             if out:
@@ -469,7 +468,4 @@ class TitoStream:
     async def aclose(self) -> None:
         # An unfinished generate is closed, not released: vLLM aborts a request whose connection drops.
         self._reader.cancel()
-        if self._ended:
-            self._resp.release()
-        else:
-            self._resp.close()
+        await self._resp.aclose(finished=self._ended)

@@ -1,5 +1,6 @@
 """The one seam to the engines: the vLLM replicas, choosing one per session, skipping dead ones,
-failing over, the upstream auth header, the swap gate, and `UpstreamError` for every upstream failure.
+failing over, the upstream auth header and the swap gate. The HTTP calls themselves, and
+`UpstreamError` for every upstream failure, are proxy.engine's.
 
 Each replica has a gate. In a `drain` swap its gate is closed: new calls wait (bounded) or go to
 another open replica, and the swap starts only once the replica's in-flight calls have drained, so
@@ -13,30 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
-import aiohttp
-import httpx
 import orjson
 
-from proxy.errors import ApiError
+from proxy.engine import UpstreamError, public_url
 
 T = TypeVar("T")
 
 
 class NoReplicaAvailable(Exception):
     """Every replica is dead, or held by a swap for longer than the hold timeout."""
-
-
-class UpstreamError(ApiError):
-    """The upstream failed: no replica took the call (502/503), or a response broke while it was read
-    (502). Rendered like any ApiError, in the called API's error format."""
 
 
 class ReplicaFailed(Exception):
@@ -46,28 +38,6 @@ class ReplicaFailed(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
-
-
-_URL_IN_TEXT = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)([^\s/?#@]+@)?([^\s/?#]*)([^\s?#]*)(\?[^\s#]*)?(#\S*)?")
-
-
-def public_url(url: str) -> str:
-    """A replica's URL as it may be shown (health, metrics, errors, logs): scheme://host:port only.
-    Userinfo, path, query and fragment can carry credentials (`http://user:pw@h/?token=...`)."""
-    try:
-        u = urlsplit(url)
-        host = u.hostname or ""
-        port = u.port
-    except ValueError:
-        return "<invalid url>"
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    return f"{u.scheme}://{host}" + (f":{port}" if port else "")
-
-
-def redact_url_text(text: str) -> str:
-    """Free text (an exception message) with every URL in it cut to scheme://host:port."""
-    return _URL_IN_TEXT.sub(lambda m: m.group(1) + m.group(3), text)
 
 
 @dataclass
@@ -275,63 +245,3 @@ def upstream_error(status: int, body: bytes) -> dict[str, Any]:
     except Exception:
         message = None
     return {"type": "upstream_error", "message": message or body[:500].decode(errors="replace"), "status_code": status}
-
-
-class UpstreamResponse:
-    """A model-traffic response (aiohttp) whose read failures raise UpstreamError.
-
-    Model traffic goes over aiohttp: on this 2-core machine it costs ~0.1 ms per call against
-    ~0.6 ms for httpx, and the proxy's added latency budget is 1 ms. Control calls use httpx.
-    """
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._r = resp
-        self.status_code = resp.status
-        self.headers = resp.headers
-        self._done = False
-
-    async def aread(self) -> bytes:
-        try:
-            data = await self._r.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise UpstreamError(502, f"upstream read failed: {type(e).__name__}: {redact_url_text(str(e))}") from e
-        self._done = True
-        return data
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._r.content.iter_any():
-                yield chunk
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise UpstreamError(502, f"upstream stream broke: {type(e).__name__}: {redact_url_text(str(e))}") from e
-        self._done = True
-
-    async def aclose(self) -> None:
-        # A finished body returns the connection to the pool; an unfinished one is closed, which
-        # makes vLLM abort the generation (the client is gone, so are its tokens).
-        if self._done:
-            self._r.release()
-        else:
-            self._r.close()
-
-
-def make_session(timeout_s: float, max_connections: int = 512) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        # Idle connections go before the engine would close them (uvicorn's keep-alive: 5 s), so the
-        # pool rarely hands out one the engine is closing; call.py resends when it still does.
-        connector=aiohttp.TCPConnector(limit=max_connections, ttl_dns_cache=300, keepalive_timeout=3),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s),
-        auto_decompress=False,
-        trust_env=False,
-        skip_auto_headers=("User-Agent",),
-    )
-
-
-def make_client(timeout_s: float, max_connections: int = 512) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_s, connect=5.0),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        # The proxy forwards exactly; it never follows redirects or reads env proxies.
-        follow_redirects=False,
-        trust_env=False,
-    )

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from atdp_schema.models import StepStatus
 from proxy import call as calls
 from proxy.call import Answer, Call
+from proxy.engine import UpstreamError
 from proxy.errors import ApiError, error_body
 from proxy.http import CallBegin, Route, check_body, door, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
@@ -24,7 +25,7 @@ from proxy.shapes import ChatCompletionRequest
 from proxy.state import AppState
 from proxy.streams import GuardedStream, Last, close_engine_part
 from proxy.translate.sse import DONE, encode_data, iter_sse_batches
-from proxy.upstream import UpstreamError, upstream_error
+from proxy.upstream import upstream_error
 
 
 def _tool_results(messages: list[Any]) -> list[ToolResultIn]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,6 +20,7 @@ from starlette.responses import Response
 from proxy import call as calls
 from proxy import providers
 from proxy.call import Call, open_translated, read_completion, translation_error
+from proxy.engine import EngineUnreachable
 from proxy.errors import ApiError
 from proxy.http import CallBegin, Handler, Route, check_body, door, json_response, model_routes
 from proxy.record.capture import ToolResultIn, sampling_params
@@ -108,19 +108,18 @@ def count_tokens_handler(state: AppState) -> Handler:
         if route is not None:  # a provider model: its own count (proxy.providers), not vLLM's tokenizer
             return json_response({"input_tokens": await providers.count_tokens(route, chat)})
         content = orjson.dumps(chat)
-        headers = {"content-type": "application/json", **state.pool.auth_headers}
-        client = state.client
-        assert client is not None, "the app is not started"
+        engine = state.engine_client
+        assert engine is not None, "the app is not started"
 
         async def attempt(replica: Replica) -> Response:
             try:
-                resp = await client.post(replica.url + "/tokenize", content=content, headers=headers)
-            except httpx.HTTPError as e:
-                raise ReplicaFailed(f"{replica.label}: {type(e).__name__}") from None
-            if resp.status_code >= 500:
-                raise ReplicaFailed(f"{replica.label} answered {resp.status_code}")
-            if resp.status_code >= 400:
-                raise ApiError(resp.status_code, upstream_error(resp.status_code, resp.content)["message"])
+                resp = await engine.tokenize(replica.url, content)
+            except EngineUnreachable as e:
+                raise ReplicaFailed(f"{replica.label}: {e.kind}") from None
+            if resp.status >= 500:
+                raise ReplicaFailed(f"{replica.label} answered {resp.status}")
+            if resp.status >= 400:
+                raise ApiError(resp.status, upstream_error(resp.status, resp.body)["message"])
             return json_response({"input_tokens": int(resp.json()["count"])})
 
         return await failover(state.pool, request.headers.get("x-atdp-session-id") or "count_tokens", attempt)

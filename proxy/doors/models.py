@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.engine import EngineUnreachable
 from proxy.errors import ApiError
 from proxy.http import Endpoint, Route, json_response, model_routes
 from proxy.state import AppState
@@ -17,18 +17,18 @@ def models_endpoint(state: AppState) -> Endpoint:
     async def models(request: Request) -> Response:
         await state.authenticate(request)
         model_id = request.path_params.get("model_id")
-        client = state.client
-        assert client is not None, "the app is not started"
+        engine = state.engine_client
+        assert engine is not None, "the app is not started"
 
         async def attempt(replica: Replica) -> Response:
             try:
-                resp = await client.get(replica.url + "/v1/models", headers=state.pool.auth_headers)
-            except httpx.HTTPError as e:
-                raise ReplicaFailed(f"{replica.label}: {type(e).__name__}") from None
-            if resp.status_code != 200:
-                raise ReplicaFailed(f"{replica.label} answered {resp.status_code}")
+                resp = await engine.models(replica.url)
+            except EngineUnreachable as e:
+                raise ReplicaFailed(f"{replica.label}: {e.kind}") from None
+            if resp.status != 200:
+                raise ReplicaFailed(f"{replica.label} answered {resp.status}")
             if not model_id:
-                return Response(resp.content, media_type="application/json")
+                return Response(resp.body, media_type="application/json")
             for m in resp.json().get("data", []):
                 if m.get("id") == model_id:
                     return json_response(m)

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
+from proxy.engine import EngineClient, Reply
 from proxy.upstream import Replica
 
 log = logging.getLogger("atdp.versions")
@@ -58,9 +57,9 @@ class Timings:
     window_s: float = 0.0
 
 
-async def _check(resp: httpx.Response, what: str) -> None:
-    if resp.status_code >= 400:
-        raise SwapError(f"{what} answered {resp.status_code}: {resp.text[:300]}")
+async def _check(resp: Reply, what: str) -> None:
+    if resp.status >= 400:
+        raise SwapError(f"{what} answered {resp.status}: {resp.text[:300]}")
 
 
 # A weight source: given the replica's client call (route, json), put `version`'s weights in place.
@@ -71,17 +70,15 @@ Source = Callable[["Routes"], Awaitable[None]]
 class Routes:
     """The dev-mode routes of one replica, each call checked and timed."""
 
-    client: httpx.AsyncClient
+    engine: EngineClient
     replica: Replica
-    headers: dict[str, str]
     timeout_s: float
     timings: Timings = field(default_factory=Timings)
 
     async def post(self, route: str, *, json: dict[str, Any] | None = None, params: dict[str, str] | None = None,
-                   what: str | None = None) -> httpx.Response:
+                   what: str | None = None) -> Reply:
         t0 = time.perf_counter()
-        resp = await self.client.post(self.replica.url + route, json=json, params=params, headers=self.headers,
-                                      timeout=self.timeout_s)
+        resp = await self.engine.control(self.replica.url, route, json=json, params=params, timeout=self.timeout_s)
         # errors name the replica without its credentials (and the route apart: a URL's path is cut)
         await _check(resp, f"{self.replica.label} {what or route}")
         self.timings.steps[route.strip("/")] = round(time.perf_counter() - t0, 4)
@@ -172,9 +169,8 @@ async def _update_in_one(routes: Routes, source: Checkpoint, mode: SwapMode, fal
     body = {"mode": PAUSE_MODE[mode], "checkpoint": source.checkpoint, "name": source.name,
             "fallback": {"checkpoint": fallback.checkpoint, "name": fallback.name} if fallback else None}
     t0 = time.perf_counter()
-    resp = await routes.client.post(routes.replica.url + UPDATE_ROUTE, json=body, headers=routes.headers,
-                                    timeout=routes.timeout_s)
-    if resp.status_code in (404, 405):
+    resp = await routes.engine.control(routes.replica.url, UPDATE_ROUTE, json=body, timeout=routes.timeout_s)
+    if resp.status in (404, 405):
         routes.replica.update_route = False
         log.info("%s does not serve %s: weight updates go route by route", routes.replica.label, UPDATE_ROUTE)
         return None
@@ -183,8 +179,8 @@ async def _update_in_one(routes: Routes, source: Checkpoint, mode: SwapMode, fal
         data = resp.json()
     except ValueError:
         data = {"error": resp.text[:300]}
-    if resp.status_code >= 400:
-        raise SwapError(f"{routes.replica.label} update_weights({source.checkpoint}) answered {resp.status_code}: "
+    if resp.status >= 400:
+        raise SwapError(f"{routes.replica.label} update_weights({source.checkpoint}) answered {resp.status}: "
                         f"{str(data.get('error', data))[:300]}")
     # The window as before, from the proxy's side (sent to answered: it holds the engine's pause,
     # which the engine reports as `engine:window`), so figures compare across both ways.
@@ -195,12 +191,12 @@ async def _update_in_one(routes: Routes, source: Checkpoint, mode: SwapMode, fal
     return routes.timings
 
 
-async def update(client: httpx.AsyncClient, replica: Replica, source: Source, *, headers: dict[str, str],
-                 timeout_s: float, mode: SwapMode = "drain", fallback: Source | None = None) -> Timings:
+async def update(engine: EngineClient, replica: Replica, source: Source, *, timeout_s: float,
+                 mode: SwapMode = "drain", fallback: Source | None = None) -> Timings:
     """Pause, put `source`'s weights in place, resume. `fallback` (keep mode): the previous weights,
     loaded before resuming when `source` fails; the error is raised after. A checkpoint reload goes
     through the engine's one-request update when it serves one (`UPDATE_ROUTE`), else route by route."""
-    routes = Routes(client, replica, headers, timeout_s)
+    routes = Routes(engine, replica, timeout_s)
     back = fallback if mode == "keep" else None
     if (isinstance(source, Checkpoint) and (back is None or isinstance(back, Checkpoint))
             and replica.update_route is not False):
@@ -223,11 +219,11 @@ async def update(client: httpx.AsyncClient, replica: Replica, source: Source, *,
     return routes.timings
 
 
-async def load_weights(client: httpx.AsyncClient, replica: Replica, checkpoint: str, name: str, *,
-                       headers: dict[str, str], timeout_s: float, mode: SwapMode = "drain",
+async def load_weights(engine: EngineClient, replica: Replica, checkpoint: str, name: str, *,
+                       timeout_s: float, mode: SwapMode = "drain",
                        fallback: tuple[str, str] | None = None) -> Timings:
     """vLLM dev mode: pause, reload `checkpoint`, tag the version `name`, resume. `fallback`:
     (checkpoint, name) put back before resuming when the reload fails (keep mode)."""
     back = from_checkpoint(*fallback) if fallback else None
-    return await update(client, replica, from_checkpoint(checkpoint, name), headers=headers, timeout_s=timeout_s,
-                        mode=mode, fallback=back)
+    return await update(engine, replica, from_checkpoint(checkpoint, name), timeout_s=timeout_s, mode=mode,
+                        fallback=back)

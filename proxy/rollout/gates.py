@@ -41,11 +41,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from sqlalchemy import select
 
 from atdp_schema.models import GateState, VersionStatus
 from proxy.config import Settings
+from proxy.engine import EngineClient
 from proxy.evaluation import safety
 from proxy.evaluation.cases import Answer, EvalCase, EvalSet, SuiteError, add_held_out, load_suites
 from proxy.evaluation.evaluators import EvaluatorError, Registry
@@ -210,22 +210,21 @@ async def replay_gate(state: AppState, versions: Versions, target: VersionRef) -
     serving = versions.current
     if serving is None:
         raise GateError("the serving version is not known yet")
-    pool, client, headers = state.pool, state.client, state.pool.auth_headers
-    assert client is not None, "the app is not started"
+    pool, engine = state.pool, state.engine_client
+    assert engine is not None, "the app is not started"
     replica = next((r for r in pool.replicas if r.alive), pool.replicas[0])
-    model = await _model_name(client, replica, headers)
+    model = await _model_name(engine, replica)
     timeout = settings.upstream_timeout_s
     # The serving weights answer first, with the replica open (its weights do not change).
-    base_answers = await _answers(client, replica, model, evalset.cases, headers, timeout, settings.eval_concurrency)
+    base_answers = await _answers(engine, replica, model, evalset.cases, timeout, settings.eval_concurrency)
     async with versions.driving(), versions.closed(replica):  # every proxy's gate, when several share the database
         try:
-            await load_weights(client, replica, target.checkpoint, target.name, headers=headers,
-                               timeout_s=versions.load_timeout_s)
+            await load_weights(engine, replica, target.checkpoint, target.name, timeout_s=versions.load_timeout_s)
         except Exception as e:
             await versions.restore(replica, serving)
             raise _CandidateLoadError(f"{type(e).__name__}: {e}") from e
         try:
-            cand_answers = await _answers(client, replica, model, evalset.cases, headers, timeout, settings.eval_concurrency)
+            cand_answers = await _answers(engine, replica, model, evalset.cases, timeout, settings.eval_concurrency)
         finally:
             await versions.restore(replica, serving)  # reopen only with the serving weights back
     return Replay(evalset, base_answers, cand_answers, counts)
@@ -316,24 +315,24 @@ def safety_gate(state: AppState, replay: Replay) -> GateResult:
     return GateResult(GateState.passed if verdict.passed else GateState.failed, dict(verdict.numbers), verdict.reasons)
 
 
-async def _model_name(client: httpx.AsyncClient, replica: Replica, headers: dict[str, str]) -> str:
-    resp = await client.get(replica.url + "/v1/models", headers=headers, timeout=30.0)
-    data = resp.json().get("data") if resp.status_code == 200 else None
+async def _model_name(engine: EngineClient, replica: Replica) -> str:
+    resp = await engine.models(replica.url, timeout=30.0)
+    data = resp.json().get("data") if resp.status == 200 else None
     if not data:
-        raise GateError(f"{replica.url}/v1/models answered {resp.status_code}: no model to evaluate")
+        raise GateError(f"{replica.label}/v1/models answered {resp.status}: no model to evaluate")
     return data[0]["id"]
 
 
-async def _answers(client: httpx.AsyncClient, replica: Replica, model: str, cases: list[EvalCase],
-                   headers: dict[str, str], timeout: float, concurrency: int) -> list[Answer]:
+async def _answers(engine: EngineClient, replica: Replica, model: str, cases: list[EvalCase], timeout: float,
+                   concurrency: int) -> list[Answer]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(case: EvalCase) -> Answer:
         body = {**case.request, "model": model, "temperature": 0.0, "seed": 0, "stream": False}
         async with gate:
-            resp = await client.post(replica.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
-        if resp.status_code >= 400:
-            raise GateError(f"case {case.id}: the engine answered {resp.status_code}: {resp.text[:300]}")
+            resp = await engine.chat(replica.url, body, timeout=timeout)
+        if resp.status >= 400:
+            raise GateError(f"case {case.id}: the engine answered {resp.status}: {resp.text[:300]}")
         return answer_of(resp.json())
 
     return list(await asyncio.gather(*(one(c) for c in cases)))

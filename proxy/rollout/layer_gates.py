@@ -259,13 +259,13 @@ def _provider(state: AppState, case: EvalCase) -> providers.ProviderRoute | None
 
 
 async def _engine_model(state: AppState) -> str:
-    client = state.client
-    assert client is not None, "the app is not started"
+    engine = state.engine_client
+    assert engine is not None, "the app is not started"
     replica = next((r for r in state.pool.replicas if r.alive), state.pool.replicas[0])
-    resp = await client.get(replica.url + "/v1/models", headers=state.pool.auth_headers, timeout=30.0)
-    data = resp.json().get("data") if resp.status_code == 200 else None
+    resp = await engine.models(replica.url, timeout=30.0)
+    data = resp.json().get("data") if resp.status == 200 else None
     if not data:
-        raise GateError(f"{replica.label} /v1/models answered {resp.status_code}: no model to evaluate")
+        raise GateError(f"{replica.label} /v1/models answered {resp.status}: no model to evaluate")
     return data[0]["id"]
 
 
@@ -281,13 +281,12 @@ async def _answer(state: AppState, case: EvalCase, body: dict[str, Any], model: 
         if resp.status_code >= 400:
             raise GateError(f"case {case.id}: the provider answered {resp.status_code}")
         return answer_of(orjson.loads(data))
-    client = state.client
-    assert client is not None and model is not None
+    engine = state.engine_client
+    assert engine is not None and model is not None
     replica = next((r for r in state.pool.replicas if r.alive), state.pool.replicas[0])
-    resp = await client.post(replica.url + "/v1/chat/completions", json={**body, "model": model},
-                             headers=state.pool.auth_headers, timeout=state.settings.upstream_timeout_s)
-    if resp.status_code >= 400:
-        raise GateError(f"case {case.id}: the engine answered {resp.status_code}: {resp.text[:300]}")
+    resp = await engine.chat(replica.url, {**body, "model": model}, timeout=state.settings.upstream_timeout_s)
+    if resp.status >= 400:
+        raise GateError(f"case {case.id}: the engine answered {resp.status}: {resp.text[:300]}")
     return answer_of(resp.json())
 
 

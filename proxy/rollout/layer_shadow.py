@@ -57,12 +57,11 @@ async def _ask(state: AppState, body: dict[str, Any]) -> Arm | None:
                 await resp.aclose()
             status = resp.status_code
         else:
-            client = state.client
-            assert client is not None, "the app is not started"
+            engine = state.engine_client
+            assert engine is not None, "the app is not started"
             replica = next((r for r in state.pool.replicas if r.alive), state.pool.replicas[0])
-            r = await client.post(replica.url + "/v1/chat/completions", json=body, headers=state.pool.auth_headers,
-                                  timeout=state.settings.upstream_timeout_s)
-            data, status = r.content, r.status_code
+            r = await engine.chat(replica.url, body, timeout=state.settings.upstream_timeout_s)
+            data, status = r.body, r.status
     except Exception as e:
         log.info("a shadow mirror was not answered: %s", type(e).__name__)
         return None

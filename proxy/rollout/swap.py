@@ -15,6 +15,7 @@ previous checkpoint: the old version keeps serving everywhere.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -23,12 +24,12 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from atdp_schema.models import VersionStatus
 from proxy import telemetry
+from proxy.engine import EngineClient, redact_url_text
 from proxy.errors import ApiError
 from proxy.governance.tokens import find_tokenizer
 from proxy.rollout.engine_weights import (
@@ -45,7 +46,7 @@ from proxy.store import tables as t
 from proxy.store.canary import CanaryRef, active_canary
 from proxy.store.ids import new_id
 from proxy.store.versions import BASE_NAME, VersionRef, serving_version
-from proxy.upstream import Replica, redact_url_text
+from proxy.upstream import Replica
 
 log = logging.getLogger("atdp.versions")
 
@@ -67,6 +68,7 @@ class Versions:
         self.canary_at_start: CanaryRef | None = None  # the canary running when this proxy started (it resumes it)
         self.bus: SwapBus | None = None  # swaps across the proxies on this database (set on connect)
         self._driver: Driver | None = None  # while this proxy drives a swap
+        self.starting: concurrent.futures.Future[None] | None = None  # start-up's task, until it is done
 
     @contextlib.asynccontextmanager
     async def driving(self) -> AsyncIterator[None]:
@@ -173,30 +175,43 @@ class Versions:
 
     # --- start-up -------------------------------------------------------------------------------
 
-    def start_up(self) -> None:
+    @property
+    def engine(self) -> EngineClient:
+        engine = self.state.engine_client
+        assert engine is not None, "the app is not started"
+        return engine
+
+    async def start_up(self) -> None:
         """Read the serving version (registering `base` the first time), stamp replicas with it and
-        tell each vLLM its name. Runs in a thread; retries until the upstream answers."""
+        tell each vLLM its name. A task on the event loop (its database reads on threads); retries
+        until the upstream answers."""
         while True:
             try:
-                self._start_up_once()
+                await self._start_up_once()
                 self.ready.set()
                 return
             except Exception as e:  # the upstream may still be starting
-                log.warning("versions start-up: %s: %s; retrying", type(e).__name__, e)
-                time.sleep(2.0)
+                log.warning("versions start-up: %s: %s; retrying", type(e).__name__, redact_url_text(str(e)))
+                await asyncio.sleep(2.0)
 
-    def _start_up_once(self) -> None:
+    async def _start_up_once(self) -> None:
         state = self.state
-        with state.factory() as s, s.begin():
-            row = serving_version(s)
-            ref = VersionRef(row.id, row.name, row.checkpoint) if row else None
-            canary = active_canary(s)
-        roots = {r.url: _root(r.url, state.pool.auth_headers) for r in state.pool.replicas}
+        factory = state.factory
+        assert factory is not None, "the database is not connected"
+
+        def read() -> tuple[VersionRef | None, CanaryRef | None]:
+            with factory() as s, s.begin():
+                row = serving_version(s)
+                return VersionRef(row.id, row.name, row.checkpoint) if row else None, active_canary(s)
+
+        ref, canary = await asyncio.to_thread(read)
+        found = await asyncio.gather(*(_root(self.engine, r.url) for r in state.pool.replicas))
+        roots = {r.url: root for r, root in zip(state.pool.replicas, found, strict=True)}
         if ref is None:
             root = next((x for x in roots.values() if x), None)
             if root is None:
                 raise SwapError("no replica answered GET /v1/models: cannot name the base checkpoint")
-            ref = self._register_base(root)
+            ref = await asyncio.to_thread(self._register_base, root)
         # A canary that was running when the proxy stopped goes on: its group still holds the
         # candidate's weights (gate 3, proxy.rollout.canary resumes its monitor).
         in_canary = set(canary.replicas) if canary else set()
@@ -208,29 +223,28 @@ class Versions:
             state.canary.activate(canary, [r.label for r in state.pool.replicas])
             log.info("canary of %s resumed on %s", canary.candidate, ", ".join(canary.replicas))
         for replica in state.pool.replicas:
-            headers = state.pool.auth_headers
             try:
-                reported = httpx.get(replica.url + "/weight_info", headers=headers, timeout=5.0).json()
-                reported = reported.get("weight_version")
+                reported = await self.engine.weight_version(replica.url, timeout=5.0)
                 fresh_base = reported == "default" and roots.get(replica.url) == ref.checkpoint
                 if reported != replica.version and not fresh_base and replica.label not in in_canary \
-                        and self._left_by_gates(reported):
+                        and await asyncio.to_thread(self._left_by_gates, reported):
                     # A proxy stopped while a candidate's weights were loaded for its gates: the
                     # serving weights go back before any call is stamped with the serving version.
                     log.warning("replica %s still holds candidate %r (a gate was interrupted): loading %s again",
                                 replica.label, reported, ref.name)
-                    asyncio.run(self._load_now(replica, ref))
+                    await load_weights(self.engine, replica, ref.checkpoint, ref.name, timeout_s=self.load_timeout_s)
                 elif reported != replica.version and not fresh_base:
                     log.warning("replica %s reports weight version %r but it serves %r; its tokens are stamped %r",
                                 replica.label, reported, replica.version, replica.version)
-                httpx.post(replica.url + "/update_weight_version", json={"new_version": replica.version},
-                           headers=headers, timeout=5.0).raise_for_status()
+                tagged = await self.engine.tag_version(replica.url, replica.version, timeout=5.0)
+                if not 200 <= tagged.status < 300:
+                    raise SwapError(f"/update_weight_version answered {tagged.status}")
             except Exception as e:
                 log.warning("could not sync the weight version of %s: %s: %s", replica.label, type(e).__name__,
                             redact_url_text(str(e)))
         log.info("serving version %s (%s) on %d replica(s)", ref.name, ref.checkpoint, len(state.pool.replicas))
-        if not state.settings.tokenizer:  # unset (or empty in compose): find it
-            self._find_tokenizer([*roots.values(), ref.checkpoint])
+        if not state.settings.tokenizer:  # unset (or empty in compose): find it (files: on a thread)
+            await asyncio.to_thread(self._find_tokenizer, [*roots.values(), ref.checkpoint])
 
     def _left_by_gates(self, reported: str | None) -> bool:
         """Whether a replica's weight version names a version that never served (a candidate, or one
@@ -240,11 +254,6 @@ class Versions:
         with self.state.factory() as s:
             status = s.scalar(select(t.ModelVersion.status).where(t.ModelVersion.name == reported))
         return status in (VersionStatus.candidate, VersionStatus.evaluating, VersionStatus.rejected, VersionStatus.failed)
-
-    async def _load_now(self, replica: Replica, ref: VersionRef) -> None:
-        async with httpx.AsyncClient() as client:
-            await load_weights(client, replica, ref.checkpoint, ref.name, headers=self.state.pool.auth_headers,
-                               timeout_s=self.load_timeout_s)
 
     def _find_tokenizer(self, roots: list[str | None]) -> None:
         """Trainable by default: with the served model's tokenizer the writer keeps cleaned token ids of
@@ -288,7 +297,7 @@ class Versions:
         failure restore `previous` (default: the serving version) on each replica touched. Returns
         {"ok", "error", "seconds", "replicas": [...]}; the caller records statuses. `becomes_current`:
         `target` is then the serving version (not for a canary's group)."""
-        assert self.state.client is not None, "the app is not started"
+        assert self.state.engine_client is not None, "the app is not started"
         previous = previous or self.current
         if previous is None:
             raise ApiError(503, "the serving version is not known yet; try again shortly")
@@ -323,22 +332,21 @@ class Versions:
         return {"ok": True, "error": None, "seconds": seconds, "replicas": timings}
 
     async def _swap_one(self, replica: Replica, target: VersionRef, previous: VersionRef) -> dict[str, Any]:
-        client, headers = self.state.client, self.state.pool.auth_headers
-        assert client is not None
+        engine = self.engine
         t_gate = time.perf_counter()
         source = source_for(target.checkpoint, target.name, self.transfer)
         if self.mode == "keep":
             async with self.window(replica, target.name):
                 t_load = time.perf_counter()
                 # A failed update puts the previous weights back (from disk) before the engine resumes.
-                timings = await update(client, replica, source, headers=headers, timeout_s=self.load_timeout_s,
-                                       mode="keep", fallback=from_checkpoint(previous.checkpoint, previous.name))
+                timings = await update(engine, replica, source, timeout_s=self.load_timeout_s, mode="keep",
+                                       fallback=from_checkpoint(previous.checkpoint, previous.name))
                 replica.version = target.name
         else:
             async with self.closed(replica):
                 t_load = time.perf_counter()
                 try:
-                    timings = await update(client, replica, source, headers=headers, timeout_s=self.load_timeout_s)
+                    timings = await update(engine, replica, source, timeout_s=self.load_timeout_s)
                 except BaseException:
                     # The reload may have half-replaced the weights: put the old ones back before
                     # the gate reopens.
@@ -359,9 +367,8 @@ class Versions:
 
     async def restore(self, replica: Replica, previous: VersionRef, *, mode: SwapMode = "drain") -> None:
         try:
-            assert self.state.client is not None, "the app is not started"
-            await load_weights(self.state.client, replica, previous.checkpoint, previous.name,
-                               headers=self.state.pool.auth_headers, timeout_s=self.load_timeout_s, mode=mode)
+            await load_weights(self.engine, replica, previous.checkpoint, previous.name,
+                               timeout_s=self.load_timeout_s, mode=mode)
             replica.version = previous.name
         except Exception as e:
             # The replica's weights are unknown now: keep calls away from it for a while.
@@ -374,10 +381,10 @@ class Versions:
             raise ApiError(503, "model versions are not loaded yet (database or upstream starting)")
 
 
-def _root(url: str, headers: dict[str, str]) -> str | None:
+async def _root(engine: EngineClient, url: str) -> str | None:
     """The checkpoint a replica was started with: `root` of its first model in GET /v1/models."""
     try:
-        data = httpx.get(url + "/v1/models", headers=headers, timeout=5.0).json().get("data") or []
+        data = (await engine.models(url, timeout=5.0)).json().get("data") or []
     except Exception:
         return None
     return (data[0].get("root") or data[0].get("id")) if data else None

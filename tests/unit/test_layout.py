@@ -55,3 +55,20 @@ def test_no_module_is_over_500_lines():
             if n > MAX_LINES and rel not in GENERATED:
                 long[rel] = n
     assert long == {}
+
+
+def test_every_service_module_is_under_the_one_engine_client_contract():
+    """Only proxy.engine may import an HTTP-client library in the service; a new module of the service
+    is under the contract too (the demo, the tools and the CLI are clients of the proxy)."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    sources = next(set(c["source_modules"]) for c in contracts if c["name"].startswith("One engine client"))
+    children = {f"proxy.{p.stem if p.suffix == '.py' else p.name}" for p in (ROOT / "proxy").iterdir()
+                if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert children - sources == {"proxy.engine", "proxy.demo", "proxy.tools", "proxy.cli"}
+    libraries = ("import httpx", "import aiohttp", "from httpx", "from aiohttp")
+    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "proxy").rglob("*.py")
+                   if not p.is_relative_to(ROOT / "proxy" / "demo") and not p.is_relative_to(ROOT / "proxy" / "tools")
+                   and any(x in p.read_text() for x in libraries))
+    assert users == ["proxy/engine.py"]

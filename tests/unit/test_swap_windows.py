@@ -14,6 +14,7 @@ from proxy.governance.policy import TenantPolicy, decide_eligibility
 from proxy.rollout.engine_weights import SwapError, load_weights
 from proxy.store.tokens import step_versions
 from proxy.upstream import ReplicaPool
+from tests.engine_standin import serving
 
 
 def _lease(pool: ReplicaPool):
@@ -94,11 +95,9 @@ class Engine:
 
 
 def _run(engine: Engine, checkpoint: str, **kw):
-    pool = ReplicaPool(["http://e:1"])
-
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
-            return await load_weights(client, pool.replicas[0], checkpoint, "v1", headers={}, timeout_s=5, **kw)
+        async with serving(engine) as (base, client):
+            return await load_weights(client, ReplicaPool([base]).replicas[0], checkpoint, "v1", timeout_s=5, **kw)
 
     return asyncio.run(go())
 

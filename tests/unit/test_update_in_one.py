@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from proxy.rollout.engine_weights import SwapError, from_checkpoint, from_transfer, update
 from proxy.rollout.vllm_ext import atdp_update
 from proxy.upstream import ReplicaPool
+from tests.engine_standin import serving
 
 
 class EngineClient:
@@ -151,10 +152,12 @@ class Engine:
 
 def _update(engine: Engine, source, pool: ReplicaPool | None = None, **kw):
     pool = pool or ReplicaPool(["http://e:1"])
+    replica = pool.replicas[0]
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
-            return await update(client, pool.replicas[0], source, headers={}, timeout_s=5, **kw)
+        async with serving(engine) as (base, client):
+            replica.url = base  # the replica (and what it learnt of the engine) answers at the stand-in's address
+            return await update(client, replica, source, timeout_s=5, **kw)
 
     return asyncio.run(go())
 

@@ -16,6 +16,7 @@ import torch
 
 from proxy.rollout.engine_weights import SwapError, from_checkpoint, source_for, transfer_info, update
 from proxy.upstream import ReplicaPool
+from tests.engine_standin import serving
 from trainer import weight_transfer as wt
 
 
@@ -74,11 +75,9 @@ class Engine:
 
 
 def _swap(engine: Engine, source, **kw):
-    pool = ReplicaPool(["http://e:1"])
-
     async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
-            return await update(client, pool.replicas[0], source, headers={}, timeout_s=5, **kw)
+        async with serving(engine) as (base, client):
+            return await update(client, ReplicaPool([base]).replicas[0], source, timeout_s=5, **kw)
 
     return asyncio.run(go())
 
