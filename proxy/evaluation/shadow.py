@@ -11,6 +11,7 @@ upper bound below 0).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,18 +47,29 @@ def declared_schemas(tools: object) -> dict[str, Mapping[str, JsonValue]]:
     return out
 
 
+# A problem names a tool and an argument path only when they are identifiers: the gate's numbers are
+# written to the database unredacted, and a model may put anything (an address, a name) where a key or a
+# tool name belongs. OpenAI's function names have this shape; any other path is shown as "?".
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_PATH = re.compile(r"\$(\.[A-Za-z0-9_-]{1,64}|\[\d+\])*")
+
+
+def _shown(path: str) -> str:
+    return path if _PATH.fullmatch(path) else "?"
+
+
 def problems(arm: Arm, schemas: Mapping[str, Mapping[str, JsonValue]]) -> list[str]:
-    """What is wrong with one arm's answer ([]: nothing)."""
+    """What is wrong with one arm's answer ([]: nothing). Never a value the model wrote (see `_PATH`)."""
     if arm.answer is None:
         return [f"answered {arm.status}"]
     out = []
     for call in arm.answer.tool_calls:
         name = call.get("name")
-        if name not in schemas:
-            out.append(f"called undeclared tool {name!r}")
+        if not isinstance(name, str) or name not in schemas:
+            out.append("called a tool the request did not declare")
             continue
         for path, problem in argument_violations(call.get("arguments") or "", schemas[name]):
-            out.append(f"{name}.{path}: {problem}")
+            out.append(f"{name if _NAME.fullmatch(name) else '?'}.{_shown(path)}: {problem}")
     if arm.answer.finish_reason == "length":
         out.append("cut at max_tokens")
     return out

@@ -26,7 +26,12 @@ def test_an_answer_is_sound_when_its_calls_fit_the_declared_tools_and_it_was_not
     assert problems(Arm(Answer(text="It is sunny.")), SCHEMAS) == []
     assert problems(Arm(_call("get_weather", {"unit": "Celsius"})), SCHEMAS)[0].startswith("get_weather.")
     assert problems(Arm(_call("get_weather", "{not json")), SCHEMAS) == ["get_weather.$: arguments are not valid JSON"]
-    assert problems(Arm(_call("get_time", {})), SCHEMAS) == ["called undeclared tool 'get_time'"]
+    assert problems(Arm(_call("get_time", {})), SCHEMAS) == ["called a tool the request did not declare"]
+    assert problems(Arm(_call("mail maria@example.com", {})), SCHEMAS) == ["called a tool the request did not declare"]
+    # What the model wrote never reaches the gate's numbers: a key that is no identifier is shown as "?".
+    notes = {"get_notes": {"type": "object", "additionalProperties": {"type": "integer"}}}
+    assert problems(Arm(_call("get_notes", {"maria@example.com": "x", "n": "y"})), notes) == [
+        "get_notes.?: type", "get_notes.$.n: type"]
     assert problems(Arm(Answer(text="It is", finish_reason="length")), SCHEMAS) == ["cut at max_tokens"]
     assert problems(Arm(None, 400), SCHEMAS) == ["answered 400"]
 
